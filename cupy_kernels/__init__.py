@@ -1,0 +1,32 @@
+"""gpt2-cupy's CUDA kernels, compiled at run time by NVRTC and callable on their own.
+
+Every function takes CuPy arrays or any GPU ``__dlpack__`` tensor (no copy), launches on
+the current stream without synchronizing, and returns CuPy arrays. Storage dtypes are
+float32, float16 and bfloat16; arithmetic and reductions are float32.
+"""
+
+from .attention import causal_attention
+from .decode_attention import decode_attention
+from .embedding import embedding
+from .gelu import bias_add, bias_gelu
+from .kv_cache import kv_advance, kv_append
+from .layernorm import layernorm, layernorm_residual
+from .linear import linear
+from .sampling import argmax, sample
+from .softmax import softmax
+
+__all__ = [
+    "argmax",
+    "bias_add",
+    "bias_gelu",
+    "causal_attention",
+    "decode_attention",
+    "embedding",
+    "kv_advance",
+    "kv_append",
+    "layernorm",
+    "layernorm_residual",
+    "linear",
+    "sample",
+    "softmax",
+]

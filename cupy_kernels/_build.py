@@ -1,0 +1,245 @@
+"""Run-time compilation of ``src_cu/`` through NVRTC: the only place a ``RawModule`` is made.
+
+Each kernel module declares its template specializations at import time with
+:func:`declare`; :func:`kernel` returns one of them, compiling the whole family's
+file once per process (one NVRTC call per file, cached by file, specializations and
+options). The compiled text starts with a hash of ``src_cu/*.cuh``, because CuPy's
+on-disk cache is keyed by source text and options and would otherwise miss header edits.
+
+:func:`compile_for_arch` compiles the same text with the same options through
+``cupy.cuda.nvrtc`` directly, which needs no GPU: the CPU test suite uses it to prove
+that every declared specialization compiles for each supported architecture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy
+
+try:  # bfloat16 as a numpy dtype; CuPy >= 14 understands it when ml_dtypes is present
+    import ml_dtypes
+
+    BFLOAT16 = numpy.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BFLOAT16 = None
+
+
+def _find_src_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "src_cu", here.parent / "src_cu"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"src_cu/ with common.cuh not found next to {here}")
+
+
+SRC_DIR = _find_src_dir()
+
+# numpy dtype -> C++ storage type; every kernel family is instantiated from this table.
+CTYPES: dict[numpy.dtype, str] = {
+    numpy.dtype(numpy.float32): "float",
+    numpy.dtype(numpy.float16): "__half",
+}
+if BFLOAT16 is not None:
+    CTYPES[BFLOAT16] = "__nv_bfloat16"
+
+# The architectures the CPU test compiles every specialization for.
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+
+_declared: dict[str, list[str]] = {}
+
+
+def declare(source: str, name_expressions) -> None:
+    """Register template specializations of ``src_cu/<source>`` (call at import)."""
+    if not (SRC_DIR / source).is_file():
+        raise FileNotFoundError(f"no kernel source {SRC_DIR / source}")
+    names = _declared.setdefault(source, [])
+    for name in name_expressions:
+        if name not in names:
+            names.append(name)
+
+
+def declared() -> dict[str, tuple[str, ...]]:
+    """Every declared specialization, by source file."""
+    return {source: tuple(names) for source, names in _declared.items()}
+
+
+def ctype(dtype) -> str:
+    """The C++ storage type for a numpy/CuPy dtype, or TypeError."""
+    dtype = numpy.dtype(dtype)
+    try:
+        return CTYPES[dtype]
+    except KeyError:
+        supported = ", ".join(str(d) for d in CTYPES)
+        raise TypeError(f"unsupported dtype {dtype}; supported: {supported}") from None
+
+
+@functools.cache
+def _headers_hash() -> str:
+    digest = hashlib.sha256()
+    for header in sorted(SRC_DIR.glob("*.cuh")):
+        digest.update(header.name.encode())
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def source_text(source: str) -> str:
+    """The text handed to NVRTC: a header hash line, then the file."""
+    return f"// src_cu headers {_headers_hash()}\n" + (SRC_DIR / source).read_text()
+
+
+@functools.cache
+def _cuda_include_dirs() -> tuple[str, ...]:
+    """Directories holding cuda_fp16.h / cuda_bf16.h (pip wheels or a CUDA toolkit)."""
+    candidates = []
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            base = Path(base)
+            candidates += [base / "cuda_runtime" / "include", *sorted(base.glob("cu*/include"))]
+    except ImportError:
+        pass
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    found = [str(c) for c in candidates if (c / "cuda_fp16.h").is_file()]
+    return tuple(dict.fromkeys(found))
+
+
+def options() -> tuple[str, ...]:
+    """NVRTC options shared by the run-time path and :func:`compile_for_arch`."""
+    includes = (SRC_DIR.as_posix(), *_cuda_include_dirs())
+    return ("-std=c++17", *(f"-I{d}" for d in includes))
+
+
+@functools.cache
+def _module(source: str, names: tuple[str, ...], opts: tuple[str, ...]):
+    import cupy
+
+    return cupy.RawModule(code=source_text(source), options=opts, name_expressions=names)
+
+
+def kernel(source: str, name_expression: str):
+    """The ``cupy.RawKernel`` for one declared specialization (a recorder while recording)."""
+    names = _declared.get(source, ())
+    if name_expression not in names:
+        listing = "\n  ".join(names) or "(none)"
+        raise KeyError(
+            f"{name_expression} is not a declared specialization of {source}; declared:\n  {listing}"
+        )
+    kern = _module(source, tuple(names), options()).get_function(name_expression)
+    return kern if _plan is None else _Recorder(kern, _plan)
+
+
+# ---------------------------------------------------------------------------------------
+# launch plans: record the launches a block of wrapper calls makes, replay them later
+# ---------------------------------------------------------------------------------------
+class Launch(NamedTuple):
+    kernel: object  # cupy.RawKernel
+    grid: tuple
+    block: tuple
+    args: tuple
+    shared_mem: int
+
+
+class Plan(list):
+    """Recorded launches. ``replay()`` issues them again on the current stream without
+    any of the wrappers' Python checks: the arrays they point to must stay alive and keep
+    their shapes (preallocated buffers)."""
+
+    def replay(self) -> None:
+        for launch in self:
+            launch.kernel(launch.grid, launch.block, launch.args, shared_mem=launch.shared_mem)
+
+
+class _Recorder:
+    def __init__(self, kern, plan: Plan):
+        self.raw, self._plan = kern, plan
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self._plan.append(Launch(self.raw, tuple(grid), tuple(block), tuple(args), shared_mem))
+
+
+_plan: Plan | None = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, wrapper calls record their launches into the yielded Plan instead
+    of launching (inputs are still checked, once)."""
+    global _plan
+    if _plan is not None:
+        raise RuntimeError("already recording a launch plan")
+    _plan = Plan()
+    try:
+        yield _plan
+    finally:
+        _plan = None
+
+
+def compile_for_arch(source: str, arch: str) -> dict[str, str]:
+    """Compile every declared specialization of ``source`` for ``arch`` without a GPU.
+
+    Returns name expression -> lowered (mangled) name; raises RuntimeError with the
+    NVRTC log on failure.
+    """
+    from cupy.cuda import nvrtc
+
+    names = _declared.get(source, ())
+    prog = nvrtc.createProgram(source_text(source), source, [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, [*options(), f"-arch={arch}"])
+        except nvrtc.NVRTCError as err:
+            raise RuntimeError(f"{source} for {arch}:\n{nvrtc.getProgramLog(prog)}") from err
+        lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
+        if not nvrtc.getCUBIN(prog):
+            raise RuntimeError(f"{source} for {arch}: NVRTC produced no cubin")
+        return lowered
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+# ---------------------------------------------------------------------------------------
+# helpers for wrappers: typed scalars, launch geometry
+# ---------------------------------------------------------------------------------------
+def i32(x) -> numpy.int32:
+    return numpy.int32(x)
+
+
+def i64(x) -> numpy.int64:
+    return numpy.int64(x)
+
+
+def f32(x) -> numpy.float32:
+    return numpy.float32(x)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def set_smem(kern, nbytes: int) -> None:
+    """Allow ``kern`` to use ``nbytes`` of dynamic shared memory (above 48 KiB needs opt-in)."""
+    kern = getattr(kern, "raw", kern)
+    if nbytes > 48 * 1024 and kern.max_dynamic_shared_size_bytes < nbytes:
+        kern.max_dynamic_shared_size_bytes = nbytes
+
+
+def vec_widths(c_type: str) -> tuple[int, int]:
+    """The two vector widths a kernel is specialized for: scalar, and 16 bytes of ``c_type``."""
+    return (1, 4 if c_type == "float" else 8)
+
+
+def row_threads(cols: int, vec: int) -> int:
+    """Threads for a one-block-per-row kernel: one VEC-wide chunk each, 32 to 1024."""
+    return min(1024, max(32, 32 * cdiv(cdiv(cols, vec), 32)))

@@ -1,0 +1,95 @@
+"""LayerNorm over the last axis, plain or fused with GPT-2's residual add.
+
+Kernel: ``src_cu/layernorm.cu``. Tests: ``tests/test_kernels_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import cupy
+
+from . import _build, _checks
+from ._build import f32, i32
+
+_SRC = "layernorm.cu"
+
+
+def _name(c_type: str, vec: int, residual: bool) -> str:
+    return f"layernorm_kernel<{c_type}, {vec}, {'true' if residual else 'false'}>"
+
+
+_build.declare(
+    _SRC,
+    [
+        _name(c, v, r)
+        for c, r in itertools.product(_build.CTYPES.values(), (False, True))
+        for v in _build.vec_widths(c)
+    ],
+)
+
+
+def _launch(out, sum_out, x, y, bias, weight, b, eps):
+    C = x.shape[-1]
+    rows = x.size // C if C else 0
+    if rows == 0:
+        return
+    vec = _checks.vec_width(x.dtype, C, out, sum_out, x, y, bias, weight, b)
+    c_type = _build.ctype(x.dtype)
+    kern = _build.kernel(_SRC, _name(c_type, vec, y is not None))
+    smem = 4 * C
+    _build.set_smem(kern, smem)
+    null = 0
+    kern(
+        (rows,),
+        (_build.row_threads(C, vec),),
+        (out, null if sum_out is None else sum_out, x, null if y is None else y,
+         null if bias is None else bias, weight, b, i32(C), f32(eps)),
+        shared_mem=smem,
+    )
+
+
+def _params(x, weight, bias):
+    C = x.shape[-1]
+    weight = _checks.float_array(weight, "weight", ndim=1)
+    bias = _checks.float_array(bias, "bias", ndim=1)
+    _checks.same_dtype(x, "x", weight=weight, bias=bias)
+    _checks.check_shape(weight, "weight", (C,))
+    _checks.check_shape(bias, "bias", (C,))
+    return weight, bias
+
+
+def layernorm(x, weight, bias, *, eps: float = 1e-5, out=None) -> cupy.ndarray:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last axis of ``x`` [..., C].
+
+    float32 statistics for every storage dtype (float32, float16, bfloat16).
+    """
+    x = _checks.float_array(x, "x")
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last axis, got shape {x.shape}")
+    weight, bias = _params(x, weight, bias)
+    out = _checks.output(out, "out", x.shape, x.dtype)
+    _launch(out, None, x, None, None, weight, bias, eps)
+    return out
+
+
+def layernorm_residual(x, y, weight, bias, *, proj_bias=None, eps: float = 1e-5, out=None, sum_out=None):
+    """GPT-2's residual add fused with the next LayerNorm.
+
+    ``s = x + y (+ proj_bias)`` (rounded to the storage dtype), ``out = layernorm(s)``;
+    returns ``(s, out)``. ``sum_out`` may be ``x`` itself (in-place residual stream).
+    """
+    x = _checks.float_array(x, "x")
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last axis, got shape {x.shape}")
+    y = _checks.float_array(y, "y")
+    _checks.check_shape(y, "y", x.shape)
+    weight, bias = _params(x, weight, bias)
+    if proj_bias is not None:
+        proj_bias = _checks.float_array(proj_bias, "proj_bias", ndim=1)
+        _checks.check_shape(proj_bias, "proj_bias", (x.shape[-1],))
+    _checks.same_dtype(x, "x", y=y, proj_bias=proj_bias)
+    out = _checks.output(out, "out", x.shape, x.dtype)
+    sum_out = _checks.output(sum_out, "sum_out", x.shape, x.dtype)
+    _launch(out, sum_out, x, y, proj_bias, weight, bias, eps)
+    return sum_out, out

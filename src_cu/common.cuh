@@ -1,0 +1,193 @@
+// common.cuh - device helpers shared by every kernel family.
+//
+// Storage types are float, __half and __nv_bfloat16; arithmetic is always float32.
+// Vectors are 16 bytes wide (4 floats or 8 halves), the widest load one thread can issue.
+// Reductions run in float32 (or exact integers) through warp shuffles, then shared memory.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef INFINITY  // NVRTC has no <cmath>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+namespace g2c {
+
+// ---------------------------------------------------------------------------------------
+// dtype conversion
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// ---------------------------------------------------------------------------------------
+// 16-byte vectors: N = 16 / sizeof(T) elements, loaded and stored in one instruction.
+// The address must be 16-byte aligned; wrappers check this before choosing a vector path.
+// ---------------------------------------------------------------------------------------
+template <typename T> struct Vec {
+    static constexpr int N = 16 / sizeof(T);
+    float v[N];
+
+    __device__ __forceinline__ void load(const T* p) {
+        uint4 raw = *reinterpret_cast<const uint4*>(p);
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = to_float(e[i]);
+    }
+    __device__ __forceinline__ void store(T* p) const {
+        uint4 raw;
+        T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < N; ++i) e[i] = from_float<T>(v[i]);
+        *reinterpret_cast<uint4*>(p) = raw;
+    }
+};
+
+// Load `n` (<= VEC) consecutive elements as float: one 16-byte load when VEC > 1,
+// one scalar load when VEC == 1. Lets a kernel body serve both paths.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[VEC]) {
+    if constexpr (VEC == 1) {
+        out[0] = to_float(p[0]);
+    } else {
+        static_assert(VEC == Vec<T>::N, "VEC must be 1 or 16 bytes of T");
+        Vec<T> t;
+        t.load(p);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) out[i] = t.v[i];
+    }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_vec(T* p, const float (&in)[VEC]) {
+    if constexpr (VEC == 1) {
+        p[0] = from_float<T>(in[0]);
+    } else {
+        static_assert(VEC == Vec<T>::N, "VEC must be 1 or 16 bytes of T");
+        Vec<T> t;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) t.v[i] = in[i];
+        t.store(p);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// warp and block reductions (float32)
+// ---------------------------------------------------------------------------------------
+constexpr unsigned FULL_MASK = 0xffffffffu;
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(FULL_MASK, x, o);
+    return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(FULL_MASK, x, o));
+    return x;
+}
+
+// Sum over the whole block; every thread gets the result. `scratch` holds 32 floats.
+// Deterministic: a fixed shuffle tree, then a fixed order over warps.
+__device__ __forceinline__ float block_sum(float x, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n_warps = (blockDim.x + 31) >> 5;
+    x = warp_sum(x);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    x = lane < n_warps ? scratch[lane] : 0.0f;
+    return warp_sum(x);
+}
+
+__device__ __forceinline__ float block_max(float x, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n_warps = (blockDim.x + 31) >> 5;
+    x = warp_max(x);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    x = lane < n_warps ? scratch[lane] : -INFINITY;
+    return warp_max(x);
+}
+
+// ---------------------------------------------------------------------------------------
+// online softmax state: running max m (log2 domain) and sum s of exp2(x - m)
+// ---------------------------------------------------------------------------------------
+struct MaxSum {
+    float m, s;
+};
+
+__device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
+    const float m = fmaxf(a.m, b.m);
+    if (m == -INFINITY) return {m, 0.0f};
+    return {m, a.s * exp2f(a.m - m) + b.s * exp2f(b.m - m)};
+}
+
+__device__ __forceinline__ MaxSum warp_merge(MaxSum x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        MaxSum y{__shfl_xor_sync(FULL_MASK, x.m, o), __shfl_xor_sync(FULL_MASK, x.s, o)};
+        x = merge(x, y);
+    }
+    return x;
+}
+
+// Whole-block merge; every thread gets the result. `scratch` holds 64 floats.
+__device__ __forceinline__ MaxSum block_merge(MaxSum x, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n_warps = (blockDim.x + 31) >> 5;
+    x = warp_merge(x);
+    __syncthreads();
+    if (lane == 0) {
+        scratch[warp] = x.m;
+        scratch[32 + warp] = x.s;
+    }
+    __syncthreads();
+    x = lane < n_warps ? MaxSum{scratch[lane], scratch[32 + lane]} : MaxSum{-INFINITY, 0.0f};
+    return warp_merge(x);
+}
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+// GELU, tanh form (GPT-2's "gelu_new"): 0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3)))
+__device__ __forceinline__ float gelu_tanh(float v) {
+    constexpr float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
+    constexpr float k1 = 0.044715f;
+    return 0.5f * v * (1.0f + tanhf(k0 * (v + k1 * v * v * v)));
+}
+
+// ---------------------------------------------------------------------------------------
+// Philox4x32-10 counter-based generator (Salmon et al., SC'11): the same (key, counter)
+// always gives the same four 32-bit words, so sampling is reproducible from a seed and
+// needs no state in memory. Mirrored in cupy_kernels/reference.py.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ uint4 philox4x32_10(uint4 ctr, uint2 key) {
+    constexpr unsigned M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
+    constexpr unsigned W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        const unsigned hi0 = __umulhi(M0, ctr.x), lo0 = M0 * ctr.x;
+        const unsigned hi1 = __umulhi(M1, ctr.z), lo1 = M1 * ctr.z;
+        ctr = make_uint4(hi1 ^ ctr.y ^ key.x, lo1, hi0 ^ ctr.w ^ key.y, lo0);
+        key.x += W0;
+        key.y += W1;
+    }
+    return ctr;
+}
+
+// A float in [0, 1) from the top 24 bits of a word: exact in float32.
+__device__ __forceinline__ float uniform01(unsigned bits) {
+    return static_cast<float>(bits >> 8) * (1.0f / 16777216.0f);
+}
+
+}  // namespace g2c

@@ -1,0 +1,223 @@
+// sampling.cu - next-token choice on the GPU: greedy argmax, and seeded sampling with
+// temperature, top-k and top-p, one block of 1024 threads per sequence.
+//
+// argmax: out[b] = the first index of the largest logit of row b.
+//
+// sample: z = logits / temperature; keep the top_k largest z (ties at the k-th value are
+// kept too); p ∝ exp(z - max z) over the kept set; top_p keeps the smallest set of the
+// largest p whose mass reaches top_p (again with ties); then the token is the inverse CDF,
+// in index order, of u ~ U[0, 1) drawn from Philox4x32-10 with key = seed and counter =
+// (offsets[row], row), after which offsets[row] is incremented: the counter lives in
+// device memory, so a recorded decode step (or a CUDA graph) draws fresh numbers each
+// time it runs. Same seed and offsets -> same tokens, on any run.
+//
+// Thresholds come from a radix select over the float bits (order-preserving 32-bit keys),
+// 8 bits per pass with a 256-bin shared-memory histogram: 4 passes find the exact k-th
+// value (counts) or the top-p boundary (masses). Masses are fixed-point integers,
+// round(exp(z - max) * 2^40), so every sum and histogram is exact and independent of
+// the order atomics land in: the choice is deterministic. A token whose probability is
+// below 2^-40 of the most likely one's can't be drawn.
+//
+// Specializations: T in {float, __half, __nv_bfloat16}.
+// Wrapper: cupy_kernels/sampling.py   Tests: tests/test_kernels_gpu.py
+#include "common.cuh"
+
+using namespace g2c;
+
+namespace {
+constexpr int THREADS = 1024;
+constexpr float FIXED_ONE = 1099511627776.0f;  // 2^40
+using u64 = unsigned long long;
+}  // namespace
+
+// Maps floats to unsigned keys with the same order (larger float -> larger key).
+__device__ __forceinline__ unsigned order_key(float f) {
+    const unsigned u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ u64 warp_inclusive_scan(u64 x) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u64 t = __shfl_up_sync(FULL_MASK, x, o);
+        if (lane >= o) x += t;
+    }
+    return x;
+}
+
+struct SelectShared {
+    u64 hist[256];
+    u64 above;
+    unsigned prefix;
+};
+
+// The largest key t with  sum_{i : key(i) >= t} weight(i) >= target  (1 <= target <= total).
+template <typename KeyFn, typename WeightFn>
+__device__ unsigned select_threshold(int V, u64 target, KeyFn key_of, WeightFn weight_of, SelectShared& sh) {
+    unsigned prefix = 0, mask = 0;
+    u64 above = 0;  // weight of keys above the current prefix's range
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int j = threadIdx.x; j < 256; j += THREADS) sh.hist[j] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < V; i += THREADS) {
+            const unsigned key = key_of(i);
+            if ((key & mask) == prefix) {
+                const u64 w = weight_of(i);
+                if (w) atomicAdd(&sh.hist[(key >> shift) & 255u], w);
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {  // warp 0 walks the bins from the top, 8 per lane
+            const int lane = threadIdx.x;
+            u64 h[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                h[j] = sh.hist[255 - (lane * 8 + j)];
+                sum += h[j];
+            }
+            const u64 incl = warp_inclusive_scan(sum), excl = incl - sum;
+            const unsigned hit = __ballot_sync(FULL_MASK, above + incl >= target && above + excl < target);
+            const int src = hit ? __ffs(hit) - 1 : 31;
+            if (lane == src) {
+                u64 acc = above + excl;
+                int j = 0;
+                for (; j < 7; ++j) {
+                    if (acc + h[j] >= target) break;
+                    acc += h[j];
+                }
+                sh.prefix = prefix | (static_cast<unsigned>(255 - (lane * 8 + j)) << shift);
+                sh.above = acc;
+            }
+        }
+        __syncthreads();
+        prefix = sh.prefix;
+        above = sh.above;
+        mask |= 255u << shift;
+    }
+    return prefix;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(THREADS) argmax_kernel(int* __restrict__ out, const T* __restrict__ logits, int V) {
+    __shared__ float s_val[32];
+    __shared__ int s_idx[32];
+    const T* x = logits + static_cast<long long>(blockIdx.x) * V;
+    float best = -INFINITY;
+    int idx = -1;
+    for (int i = threadIdx.x; i < V; i += THREADS) {
+        const float v = to_float(x[i]);
+        if (idx < 0 || v > best) {
+            best = v;
+            idx = i;
+        }
+    }
+    // (value, index) pairs: larger value wins, then the smaller index
+    auto better = [](float v, int i, float bv, int bi) {
+        return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
+    };
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(FULL_MASK, best, o);
+        const int i = __shfl_xor_sync(FULL_MASK, idx, o);
+        if (better(v, i, best, idx)) {
+            best = v;
+            idx = i;
+        }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        s_val[warp] = best;
+        s_idx[warp] = idx;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        best = s_val[lane];
+        idx = s_idx[lane];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float v = __shfl_xor_sync(FULL_MASK, best, o);
+            const int i = __shfl_xor_sync(FULL_MASK, idx, o);
+            if (better(v, i, best, idx)) {
+                best = v;
+                idx = i;
+            }
+        }
+        if (lane == 0) out[blockIdx.x] = idx;
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(THREADS)
+    sample_kernel(int* __restrict__ out, const T* __restrict__ logits, int V, float inv_temp, int top_k,
+                  float top_p, unsigned seed_lo, unsigned seed_hi, unsigned long long* __restrict__ offsets) {
+    __shared__ float scratch[32];
+    __shared__ SelectShared sh;
+    __shared__ u64 s_warp[32];
+    const T* x = logits + static_cast<long long>(blockIdx.x) * V;
+    const u64 offset = offsets[blockIdx.x];  // read before thread 0 increments it, at the end
+    auto z_of = [&](int i) { return to_float(x[i]) * inv_temp; };
+    auto key_of = [&](int i) { return order_key(z_of(i)); };
+
+    float mx = -INFINITY;
+    for (int i = threadIdx.x; i < V; i += THREADS) mx = fmaxf(mx, z_of(i));
+    mx = block_max(mx, scratch);
+
+    unsigned keep = 0;  // kept: key >= keep
+    if (top_k > 0 && top_k < V) {
+        keep = select_threshold(V, static_cast<u64>(top_k), key_of, [](int) { return u64{1}; }, sh);
+    }
+    auto mass_of = [&](int i) -> u64 {
+        const float z = z_of(i);
+        return order_key(z) >= keep ? __float2ull_rn(exp2f((z - mx) * LOG2E) * FIXED_ONE) : u64{0};
+    };
+
+    if (top_p < 1.0f) {
+        u64 total = 0;
+        for (int i = threadIdx.x; i < V; i += THREADS) total += mass_of(i);
+        total = warp_inclusive_scan(total);  // lane 31 holds the warp's sum
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        __syncthreads();
+        if (lane == 31) s_warp[warp] = total;
+        __syncthreads();
+        total = 0;
+        for (int w = 0; w < THREADS / 32; ++w) total += s_warp[w];
+        u64 target = static_cast<u64>(ceil(static_cast<double>(top_p) * static_cast<double>(total)));
+        target = max(target, u64{1});
+        keep = select_threshold(V, target, key_of, mass_of, sh);
+    }
+
+    // inverse CDF in index order: each thread owns a contiguous chunk of the vocabulary
+    const int chunk = (V + THREADS - 1) / THREADS;
+    const int lo = min(V, threadIdx.x * chunk), hi = min(V, lo + chunk);
+    u64 local = 0;
+    for (int i = lo; i < hi; ++i) local += mass_of(i);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 incl = warp_inclusive_scan(local);
+    __syncthreads();
+    if (lane == 31) s_warp[warp] = incl;
+    __syncthreads();
+    u64 before = 0, total = 0;
+    for (int w = 0; w < THREADS / 32; ++w) {
+        if (w < warp) before += s_warp[w];
+        total += s_warp[w];
+    }
+    const u64 excl = before + incl - local;
+
+    const uint4 r = philox4x32_10(make_uint4(static_cast<unsigned>(offset), static_cast<unsigned>(offset >> 32),
+                                             blockIdx.x, 0u),
+                                  make_uint2(seed_lo, seed_hi));
+    const u64 u24 = r.x >> 8;  // u = u24 / 2^24, target = floor(total * u) exactly
+    const u64 goal = (total >> 24) * u24 + (((total & 0xFFFFFFull) * u24) >> 24);
+    if (local > 0 && excl <= goal && goal < excl + local) {
+        u64 acc = excl;
+        for (int i = lo; i < hi; ++i) {
+            acc += mass_of(i);
+            if (acc > goal) {
+                out[blockIdx.x] = i;
+                break;
+            }
+        }
+    }
+    if (threadIdx.x == 0) offsets[blockIdx.x] = offset + 1;  // every thread read it before the scans' barriers
+}
