@@ -1,0 +1,85 @@
+"""Run-time compilation: every declared specialization compiles through NVRTC for each
+supported architecture (no GPU needed), with the same text and options as at run time."""
+
+from __future__ import annotations
+
+import pytest
+
+import cupy_kernels  # noqa: F401  (declares every specialization)
+from cupy_kernels import _build
+
+SOURCES = sorted(_build.declared())
+
+
+def test_every_kernel_file_declares_specializations():
+    on_disk = sorted(p.name for p in _build.SRC_DIR.glob("*.cu"))
+    assert SOURCES == on_disk
+    for source, names in _build.declared().items():
+        assert names, source
+        # every dtype of the table is instantiated in every family that is templated on it
+        if any("<" in n for n in names):
+            for c_type in _build.CTYPES.values():
+                assert any(c_type in n for n in names), (source, c_type)
+
+
+@pytest.mark.parametrize("arch", _build.ARCHS)
+@pytest.mark.parametrize("source", SOURCES)
+def test_compiles_for_arch(source, arch):
+    lowered = _build.compile_for_arch(source, arch)
+    assert set(lowered) == set(_build.declared()[source])
+    assert all(name.startswith("_Z") or "kernel" in name for name in lowered.values())
+
+
+def test_bfloat16_is_in_the_dtype_table():
+    assert "__nv_bfloat16" in _build.CTYPES.values()
+
+
+def test_undeclared_specialization_is_a_clear_error():
+    with pytest.raises(KeyError, match="not a declared specialization"):
+        _build.kernel("softmax.cu", "softmax_kernel<double, 1>")
+
+
+def test_declare_unknown_source_raises():
+    with pytest.raises(FileNotFoundError):
+        _build.declare("no_such_family.cu", ["x"])
+
+
+def test_header_hash_is_in_the_compiled_text(monkeypatch):
+    text = _build.source_text("softmax.cu")
+    assert text.splitlines()[0] == f"// src_cu headers {_build._headers_hash()}"
+    assert "softmax_kernel" in text
+    # a header edit changes the text NVRTC (and CuPy's cache) sees
+    monkeypatch.setattr(_build, "_headers_hash", lambda: "0123456789abcdef")
+    assert _build.source_text("softmax.cu") != text
+
+
+def test_options_find_half_precision_headers():
+    opts = _build.options()
+    assert "-std=c++17" in opts
+    assert any(o.startswith("-I") and o.endswith("src_cu") for o in opts)
+    assert len(opts) >= 3, "no include directory with cuda_fp16.h found"
+
+
+def test_ctype_rejects_other_dtypes():
+    import numpy
+
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        _build.ctype(numpy.float64)
+
+
+def test_plan_records_instead_of_launching():
+    launched = []
+
+    class FakeKernel:
+        def __call__(self, *a, **k):
+            launched.append(a)
+
+    with _build.recording() as plan:
+        rec = _build._Recorder(FakeKernel(), _build._plan)
+        rec((2,), (32,), (1, 2))
+        with pytest.raises(RuntimeError, match="already recording"):
+            with _build.recording():
+                pass
+    assert launched == [] and len(plan) == 1 and plan[0].grid == (2,)
+    plan.replay()
+    assert launched == [((2,), (32,), (1, 2))]

@@ -1,0 +1,302 @@
+"""Every kernel against its float64 numpy reference, on the GPU, in each storage dtype,
+on GPT-2's shapes and awkward ones. Outputs are poisoned (NaN) before each launch, so an
+element the kernel forgot to write fails the comparison."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+import cupy_kernels as K  # noqa: E402
+from cupy_kernels import _build  # noqa: E402
+from cupy_kernels import reference as ref  # noqa: E402
+
+DTYPES = [np.float32, np.float16, _build.BFLOAT16]
+# max |out - ref| / max |ref| allowed: float32 arithmetic, then rounding to the storage type
+TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float16): 2e-3, _build.BFLOAT16: 1.6e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    """Compile every family once, so a compile error is one clear failure."""
+    for source, names in _build.declared().items():
+        for name in names:
+            _build.kernel(source, name)
+
+
+def rand(rng, shape, dtype, scale=1.0):
+    """Random values already rounded to ``dtype``; returns (gpu array, float64 host copy)."""
+    host = (rng.standard_normal(shape) * scale).astype(np.float32)
+    dev = cp.asarray(host).astype(dtype)
+    return dev, dev.astype(cp.float32).get().astype(np.float64)
+
+
+def poisoned(shape, dtype):
+    return cp.full(shape, np.nan, dtype=np.float32).astype(dtype)
+
+
+def check(out, expect, dtype, tol=None):
+    got = out.astype(cp.float32).get().astype(np.float64)
+    assert np.isfinite(got).all(), "unwritten (poisoned) or non-finite outputs"
+    scale = max(np.abs(expect).max(), 1e-30)
+    err = np.abs(got - expect).max() / scale
+    assert err <= (tol or TOL[np.dtype(dtype)]), f"relative error {err:.3g}"
+
+
+ROWS_COLS = [(1, 768), (7, 1024), (64, 1600), (1823, 781), (3, 1), (2, 50257)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,cols", ROWS_COLS)
+def test_layernorm(rows, cols, dtype):
+    rng = np.random.default_rng(rows * 7 + cols)
+    x, xh = rand(rng, (rows, cols), dtype, 3.0)
+    w, wh = rand(rng, (cols,), dtype)
+    b, bh = rand(rng, (cols,), dtype)
+    out = poisoned((rows, cols), dtype)
+    K.layernorm(x, w, b, out=out)
+    check(out, ref.layernorm(xh, wh, bh), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,cols", ROWS_COLS[:4])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layernorm_residual(rows, cols, dtype, with_bias):
+    rng = np.random.default_rng(rows + cols)
+    x, xh = rand(rng, (rows, cols), dtype)
+    y, yh = rand(rng, (rows, cols), dtype)
+    pb, pbh = rand(rng, (cols,), dtype) if with_bias else (None, None)
+    w, wh = rand(rng, (cols,), dtype)
+    b, bh = rand(rng, (cols,), dtype)
+    out, s = poisoned((rows, cols), dtype), poisoned((rows, cols), dtype)
+    K.layernorm_residual(x, y, w, b, proj_bias=pb, out=out, sum_out=s)
+    s_ref, out_ref = ref.layernorm_residual(xh, yh, wh, bh, bias=pbh)
+    check(s, s_ref, dtype)
+    # the kernel normalizes the sum as stored (rounded to dtype), like a framework would
+    check(out, ref.layernorm(s.astype(cp.float32).get(), wh, bh), dtype)
+    # in place on the residual stream
+    s2, out2 = K.layernorm_residual(x, y, w, b, proj_bias=pb, sum_out=x)
+    assert s2 is x
+    check(x, s_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,cols", [(1, 3072), (7, 4096), (1023, 781), (5, 6400)])
+def test_bias_gelu_and_bias_add(rows, cols, dtype):
+    rng = np.random.default_rng(cols)
+    x, xh = rand(rng, (rows, cols), dtype, 2.0)
+    b, bh = rand(rng, (cols,), dtype)
+    out = poisoned((rows, cols), dtype)
+    K.bias_gelu(x, b, out=out)
+    check(out, ref.bias_gelu(xh, bh), dtype)
+    out = poisoned((rows, cols), dtype)
+    K.bias_add(x, b, out=out)
+    check(out, ref.bias_add(xh, bh), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,causal", [((4, 1024), False), ((1823, 781), False), ((2, 50257), False),
+                                          ((3, 12, 7, 7), True), ((2, 5, 9), True), ((1, 1023, 1023), True)])
+def test_softmax(shape, causal, dtype):
+    rng = np.random.default_rng(sum(shape))
+    x, xh = rand(rng, shape, dtype, 4.0)
+    out = poisoned(shape, dtype)
+    K.softmax(x, scale=0.125, causal=causal, out=out)
+    check(out, ref.softmax(xh, scale=0.125, causal=causal), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,C", [(1, 768), (7, 1600), (1024, 768), (5, 781)])
+def test_embedding(n, C, dtype):
+    rng = np.random.default_rng(n + C)
+    V, P = 50257, 1024
+    wte, wteh = rand(rng, (V, C), dtype)
+    wpe, wpeh = rand(rng, (P, C), dtype)
+    ids_h = rng.integers(0, V, n).astype(np.int32)
+    pos_h = rng.integers(0, P, n).astype(np.int32)
+    out = poisoned((n, C), dtype)
+    K.embedding(cp.asarray(ids_h), wte, wpe, cp.asarray(pos_h), out=out)
+    check(out, ref.embedding(ids_h, wteh, wpeh, pos_h), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,T,H,D", [(1, 1, 12, 64), (2, 7, 12, 64), (1, 63, 4, 64), (1, 65, 2, 128),
+                                     (1, 1023, 12, 64), (2, 1025, 2, 128), (8, 130, 3, 64)])
+def test_causal_attention_strided_qkv(B, T, H, D, dtype):
+    """q, k, v are thirds of a fused [B, T, 3, H, D] buffer: strided views, no copies."""
+    rng = np.random.default_rng(T * H + D)
+    qkv, qkvh = rand(rng, (B, T, 3, H, D), dtype)
+    q, k, v = (qkv[:, :, j] for j in range(3))
+    out = poisoned((B, T, H, D), dtype)
+    K.causal_attention(q, k, v, out=out)
+    expect = ref.causal_attention(*(qkvh[:, :, j].transpose(0, 2, 1, 3) for j in range(3)))  # [B, H, T, D]
+    check(out, expect.transpose(0, 2, 1, 3), dtype)
+
+
+def test_causal_attention_unaligned_scalar_path():
+    """A view whose rows are not 16-byte aligned takes the scalar (VEC = 1) path."""
+    rng = np.random.default_rng(0)
+    base, baseh = rand(rng, (1, 9, 3 * 2 * 64 + 1), np.float32)
+    qkv = base[:, :, 1:].reshape(1, 9, 3, 2, 64)
+    qkvh = baseh[:, :, 1:].reshape(1, 9, 3, 2, 64)
+    out = poisoned((1, 9, 2, 64), np.float32)
+    K.causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], out=out)
+    expect = ref.causal_attention(*(qkvh[:, :, j].transpose(0, 2, 1, 3) for j in range(3)))
+    check(out, expect.transpose(0, 2, 1, 3), np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("H,D,lens", [(12, 64, [1]), (12, 64, [7, 1000, 1, 4097]), (4, 128, [4097, 33]),
+                                      (2, 128, [1024])])
+def test_decode_attention(H, D, lens, dtype):
+    rng = np.random.default_rng(sum(lens) + D)
+    B, S = len(lens), max(lens) + 3
+    kc, kch = rand(rng, (B, H, S, D), dtype)
+    vc, vch = rand(rng, (B, H, S, D), dtype)
+    q_rows, q_rowsh = rand(rng, (B, 3, H, D), dtype)  # q is the first third of a qkv row
+    seq = cp.asarray(np.array(lens, dtype=np.int32))
+    out = poisoned((B, H, D), dtype)
+    K.decode_attention(q_rows[:, 0], kc, vc, seq, out=out)
+    check(out, ref.decode_attention(q_rowsh[:, 0], kch, vch, lens), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kv_append(dtype):
+    rng = np.random.default_rng(5)
+    B, T, H, D, S = 3, 5, 4, 64, 16
+    kc = poisoned((4, H, S, D), dtype)
+    vc = poisoned((4, H, S, D), dtype)
+    qkv, qkvh = rand(rng, (B, T, 3, H, D), dtype)
+    start_h = np.array([0, 3, 11], dtype=np.int32)
+    slots_h = np.array([2, 0, 3], dtype=np.int32)
+    lens = cp.zeros(B, dtype=np.int32)
+    K.kv_append(kc, vc, qkv[:, :, 1], qkv[:, :, 2], cp.asarray(start_h), slots=cp.asarray(slots_h), seq_lens=lens)
+    assert lens.get().tolist() == (start_h + T).tolist()
+    kh, vh = kc.astype(cp.float32).get(), vc.astype(cp.float32).get()
+    for b in range(B):
+        rows = slice(start_h[b], start_h[b] + T)
+        np.testing.assert_array_equal(kh[slots_h[b], :, rows], qkvh[b, :, 1].transpose(1, 0, 2))
+        np.testing.assert_array_equal(vh[slots_h[b], :, rows], qkvh[b, :, 2].transpose(1, 0, 2))
+    # rows nothing wrote are still poisoned: the kernel wrote only where it should
+    assert np.isnan(kh[1]).all() and np.isnan(kh[2, :, :0]).all() and np.isnan(kh[2, :, T:]).all()
+    pos = cp.asarray(start_h)
+    K.kv_advance(pos, 2)
+    assert pos.get().tolist() == (start_h + 2).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,N,K_,gelu,out_f32", [(1, 2304, 768, False, False), (5, 3072, 768, True, False),
+                                                 (3, 768, 3072, False, False), (2, 50257, 768, False, True),
+                                                 (9, 37, 781, True, True)])
+def test_linear_rows(B, N, K_, gelu, out_f32, dtype):
+    rng = np.random.default_rng(N + K_)
+    x, xh = rand(rng, (B, K_), dtype)
+    w, wh = rand(rng, (N, K_), dtype, 0.05)
+    b, bh = rand(rng, (N,), dtype)
+    out_dtype = np.float32 if out_f32 else dtype
+    out = poisoned((B, N), out_dtype)
+    K.linear(x, w, b, gelu=gelu, out_dtype=out_dtype, out=out)
+    expect = ref.linear(xh, wh, bh)
+    if gelu:
+        expect = ref.gelu_tanh(expect)
+    check(out, expect, out_dtype if not out_f32 else dtype)
+    # a row gives the same bits alone as in the batch
+    alone = K.linear(x[B - 1:], w, b, gelu=gelu, out_dtype=out_dtype)
+    assert cp.array_equal(alone[0], out[B - 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,V", [(1, 50257), (4, 1000), (3, 1)])
+def test_argmax(B, V, dtype):
+    rng = np.random.default_rng(V)
+    x, xh = rand(rng, (B, V), dtype)
+    if V > 10:  # ties: the first index wins
+        x[0, 3] = x[0, 7] = 100
+        xh[0, 3] = xh[0, 7] = 100
+    out = cp.full(B, -5, dtype=np.int32)
+    K.argmax(x, out=out)
+    assert out.get().tolist() == np.argmax(xh, axis=1).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 50, None), (1.3, None, 0.9),
+                                                     (1.0, 40, 0.8), (0.5, 1, None), (1.0, None, 0.01)])
+def test_sample_matches_reference(temperature, top_k, top_p, dtype):
+    """Same uniform numbers (Philox, checked against the reference) -> same tokens."""
+    rng = np.random.default_rng(11)
+    B, V = 6, 50257
+    x, xh = rand(rng, (B, V), dtype, 3.0)
+    seed = 0x1234_5678_9ABC
+    offsets = cp.asarray(np.array([0, 1, 2**32 + 5, 7, 7, 123456], dtype=np.uint64))
+    start = offsets.get()
+    out = cp.full(B, -1, dtype=np.int32)
+    K.sample(x, seed=seed, offset=offsets, temperature=temperature, top_k=top_k, top_p=top_p, out=out)
+    got = out.get()
+    assert offsets.get().tolist() == (start + 1).tolist()
+    for b in range(B):
+        u = ref.sample_uniform(seed, int(start[b]), b)
+        probs = ref.sampling_probs(xh[b], temperature, top_k, top_p)
+        assert probs[got[b]] > 0, f"row {b}: token {got[b]} is outside the kept set"
+        cdf = np.cumsum(probs)
+        lo = cdf[got[b]] - probs[got[b]]
+        # the kernel's fixed-point masses and float32 exp differ from float64 by ~1e-6
+        assert lo - 1e-5 <= u <= cdf[got[b]] + 1e-5, f"row {b}: u={u} outside [{lo}, {cdf[got[b]]}]"
+        if lo + 1e-5 < u < cdf[got[b]] - 1e-5:
+            assert got[b] == ref.sample(xh[b], u, temperature, top_k, top_p)
+
+
+def test_sample_distribution_and_determinism():
+    """Over many draws the frequencies follow the reference distribution; a seed repeats."""
+    rng = np.random.default_rng(3)
+    V, N = 20, 4096
+    logits_h = rng.standard_normal(V).astype(np.float32) * 0.7
+    x = cp.asarray(np.tile(logits_h, (N, 1)))
+    out = K.sample(x, seed=99, offset=0, temperature=0.8, top_k=12, top_p=0.9)
+    counts = np.bincount(out.get(), minlength=V) / N
+    probs = ref.sampling_probs(logits_h, 0.8, 12, 0.9)
+    assert (probs > 0).sum() >= 6, "the test needs a distribution with several tokens kept"
+    assert (counts[probs == 0] == 0).all()
+    assert np.abs(counts - probs).max() < 0.03
+    again = K.sample(x, seed=99, offset=0, temperature=0.8, top_k=12, top_p=0.9)
+    assert cp.array_equal(out, again)
+    other = K.sample(x, seed=100, offset=0, temperature=0.8, top_k=12, top_p=0.9)
+    assert not cp.array_equal(out, other)
+
+
+def test_dlpack_inputs_from_torch():
+    torch = pytest.importorskip("torch")
+    x = torch.randn(4, 768, device="cuda")
+    w = torch.randn(768, device="cuda")
+    b = torch.randn(768, device="cuda")
+    out = K.layernorm(x, w, b)
+    assert isinstance(out, cp.ndarray)
+    expect = torch.nn.functional.layer_norm(x.double(), (768,), w.double(), b.double())
+    check(out, expect.cpu().numpy(), np.float32)
+
+
+def test_bad_inputs_raise_before_launch():
+    x = cp.ones((4, 768), dtype=np.float32)
+    w = cp.ones(768, dtype=np.float32)
+    with pytest.raises(TypeError, match="weight"):
+        K.layernorm(x, w.astype(np.float16), w)
+    with pytest.raises(ValueError, match="weight"):
+        K.layernorm(x, w[:700], w)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        K.layernorm(x.T, w[:4], w[:4])
+    with pytest.raises(TypeError, match="x"):
+        K.layernorm(x.astype(np.int32), w, w)
+    with pytest.raises(ValueError, match="head_dim"):
+        q = cp.ones((1, 4, 2, 32), dtype=np.float32)
+        K.causal_attention(q, q, q)
+    with pytest.raises(TypeError, match="ids"):
+        K.embedding(cp.zeros(3, dtype=np.int64), cp.ones((10, 8), np.float32), cp.ones((10, 8), np.float32),
+                    cp.zeros(3, dtype=np.int32))
+    with pytest.raises(ValueError, match="temperature"):
+        K.sample(x, seed=1, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        K.sample(x, seed=1, top_p=1.5)
+    with pytest.raises(ValueError, match="out"):
+        K.bias_gelu(x, w, out=cp.empty((4, 767), np.float32))
