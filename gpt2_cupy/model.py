@@ -1,0 +1,452 @@
+"""GPT-2 on CuPy arrays and gpt2-cupy's kernels: prefill, a KV-cached decode step, logits.
+
+Shapes: B sequences, T tokens, C = n_embd, H heads of D = C / H, V vocabulary.
+Linear weights are stored (out, in), the transpose of GPT-2's Conv1D layout, so that the
+decode step's row kernels stream each weight row once and the LM head reads ``wte`` as is.
+
+Prefill runs each prompt on its own (cuBLAS matrix products through CuPy, the project's
+kernels for everything else), so a prompt's numbers never depend on what it is batched
+with. The decode step runs every sequence at once on preallocated buffers with the
+project's kernels only: it is recorded once as a launch plan and replayed for each token,
+optionally as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import cupy
+import numpy
+
+import cupy_kernels as K
+from cupy_kernels import _build
+
+from .config import SIZES, GPT2Config
+
+# dtype names -> (numpy dtype, torch dtype name)
+DTYPES = {
+    "float32": (numpy.dtype(numpy.float32), "float32"),
+    "float16": (numpy.dtype(numpy.float16), "float16"),
+}
+if _build.BFLOAT16 is not None:
+    DTYPES["bfloat16"] = (_build.BFLOAT16, "bfloat16")
+_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+
+def dtype_name(dtype) -> str:
+    """Canonical dtype name ('float32', 'float16', 'bfloat16') or ValueError."""
+    name = str(dtype).replace("torch.", "")
+    name = _ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return name
+
+
+@dataclass
+class _Block:
+    ln_1_w: cupy.ndarray
+    ln_1_b: cupy.ndarray
+    attn_w: cupy.ndarray  # [3C, C]
+    attn_b: cupy.ndarray  # [3C]
+    attn_proj_w: cupy.ndarray  # [C, C]
+    attn_proj_b: cupy.ndarray
+    ln_2_w: cupy.ndarray
+    ln_2_b: cupy.ndarray
+    fc_w: cupy.ndarray  # [4C, C]
+    fc_b: cupy.ndarray  # [4C]
+    mlp_proj_w: cupy.ndarray  # [C, 4C]
+    mlp_proj_b: cupy.ndarray
+
+
+class KVCache:
+    """Keys and values of every layer: [n_layer, B, H, S_max, D] each, plus the device
+    arrays the decode step reads: ``positions`` (where the next token goes, int32 [B]) and
+    ``lengths`` (valid rows after it is appended, int32 [B])."""
+
+    def __init__(self, config: GPT2Config, batch: int, max_len: int, dtype):
+        shape = (config.n_layer, batch, config.n_head, max_len, config.head_dim)
+        self.k = cupy.empty(shape, dtype=dtype)
+        self.v = cupy.empty(shape, dtype=dtype)
+        self.positions = cupy.zeros(batch, dtype=numpy.int32)
+        self.lengths = cupy.zeros(batch, dtype=numpy.int32)
+        self.max_len = max_len
+
+
+class _DecodeBuffers:
+    """Everything one decode step reads or writes, allocated before the first step."""
+
+    def __init__(self, config: GPT2Config, batch: int, dtype):
+        B, C = batch, config.n_embd
+        self.tokens = cupy.zeros(B, dtype=numpy.int32)  # the token each sequence feeds next
+        self.x = cupy.empty((B, C), dtype=dtype)  # residual stream
+        self.h = cupy.empty((B, C), dtype=dtype)  # layernorm output
+        self.qkv = cupy.empty((B, 3 * C), dtype=dtype)
+        self.att = cupy.empty((B, config.n_head, config.head_dim), dtype=dtype)
+        self.y = cupy.empty((B, C), dtype=dtype)
+        self.f = cupy.empty((B, 4 * C), dtype=dtype)
+        self.logits = cupy.empty((B, config.vocab_size), dtype=numpy.float32)
+        self.offsets = cupy.zeros(B, dtype=numpy.uint64)  # sampling counters
+
+
+class GPT2:
+    """A GPT-2 model whose weights are CuPy arrays.
+
+    Build it with :meth:`from_pretrained` (Hub name or local directory), :meth:`from_hf`
+    (an in-memory ``transformers.GPT2LMHeadModel``) or :meth:`random`.
+    """
+
+    def __init__(self, config: GPT2Config, weights: dict, dtype="float32"):
+        self.config = config
+        self.dtype_name = dtype_name(dtype)
+        self.dtype = DTYPES[self.dtype_name][0]
+        C = config.n_embd
+        for key, a in weights.items():
+            if not isinstance(a, cupy.ndarray) or a.dtype != self.dtype or not a.flags.c_contiguous:
+                raise TypeError(f"weight {key!r} must be a contiguous cupy array of {self.dtype}")
+        self.wte = weights["wte"]  # [V, C]
+        self.wpe = weights["wpe"]  # [P, C]
+        self.lm_head = weights.get("lm_head", self.wte)  # [V, C], tied to wte in GPT-2
+        self.ln_f_w, self.ln_f_b = weights["ln_f.w"], weights["ln_f.b"]
+        fields = {
+            "ln_1_w": "ln_1.w", "ln_1_b": "ln_1.b", "attn_w": "attn.w", "attn_b": "attn.b",
+            "attn_proj_w": "attn_proj.w", "attn_proj_b": "attn_proj.b", "ln_2_w": "ln_2.w",
+            "ln_2_b": "ln_2.b", "fc_w": "fc.w", "fc_b": "fc.b", "mlp_proj_w": "mlp_proj.w",
+            "mlp_proj_b": "mlp_proj.b",
+        }
+        self.blocks = [
+            _Block(**{f: weights[f"h.{i}.{k}"] for f, k in fields.items()}) for i in range(config.n_layer)
+        ]
+        if self.wte.shape != (config.vocab_size, C):
+            raise ValueError(f"wte has shape {self.wte.shape}, expected {(config.vocab_size, C)}")
+
+    # ---------------------------------------------------------------------------------
+    # construction
+    # ---------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf_model, dtype="float32") -> "GPT2":
+        """From an in-memory ``transformers.GPT2LMHeadModel`` (CPU or GPU)."""
+        import torch
+
+        from .weights import hf_to_cupy
+
+        name = dtype_name(dtype)
+        config = GPT2Config.from_hf(hf_model.config)
+        weights = hf_to_cupy(hf_model, config, getattr(torch, DTYPES[name][1]))
+        return cls(config, weights, name)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, dtype="float32") -> "GPT2":
+        """From a Hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, distilgpt2) or a local
+        directory in transformers' format."""
+        from transformers import GPT2LMHeadModel
+
+        name = dtype_name(dtype)
+        try:
+            hf = GPT2LMHeadModel.from_pretrained(name_or_path)
+        except OSError as err:
+            raise OSError(
+                f"could not load GPT-2 weights from {name_or_path!r}: {err}. Without Hub access, "
+                "pass a local directory, or use GPT2.random(...) / --random-weights"
+            ) from err
+        return cls.from_hf(hf, name)
+
+    @classmethod
+    def random(cls, size: str = "gpt2", dtype="float32", seed: int = 0) -> "GPT2":
+        """A randomly initialized model of one of the GPT-2 sizes (transformers' init),
+        for machines without the real weights: same shapes, same speed."""
+        import torch
+        from transformers import GPT2LMHeadModel
+
+        if size not in SIZES:
+            raise ValueError(f"unknown GPT-2 size {size!r}; choose one of {', '.join(SIZES)}")
+        torch.manual_seed(seed)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with torch.device(device):
+            hf = GPT2LMHeadModel(SIZES[size].to_hf())
+        model = cls.from_hf(hf, dtype)
+        del hf
+        return model
+
+    # ---------------------------------------------------------------------------------
+    # forward passes
+    # ---------------------------------------------------------------------------------
+    def _matmul(self, x: cupy.ndarray, w: cupy.ndarray) -> cupy.ndarray:
+        """x [T, K] @ w.T for w [N, K] (out, in): cuBLAS through CuPy for prefill."""
+        return cupy.matmul(x, w.T)
+
+    def _prefill(self, ids: cupy.ndarray, cache: KVCache | None, slot: int, out_last: cupy.ndarray | None):
+        """Forward over one sequence's tokens ids [T] (int32, on the GPU).
+
+        Appends keys and values to cache row ``slot`` when a cache is given. Writes the
+        final-layernorm output of the last token into ``out_last`` [1, C] and returns
+        None, or, when out_last is None, returns the final-layernorm output of every
+        token [T, C].
+        """
+        cfg = self.config
+        T, C, H, D, eps = ids.shape[0], cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
+        positions = cupy.arange(T, dtype=numpy.int32)
+        x = K.embedding(ids, self.wte, self.wpe, positions)  # [T, C] residual stream
+        h = K.layernorm(x, self.blocks[0].ln_1_w, self.blocks[0].ln_1_b, eps=eps)
+        if cache is not None:
+            slots = cupy.full(1, slot, dtype=numpy.int32)
+            start = cupy.zeros(1, dtype=numpy.int32)
+        for i, blk in enumerate(self.blocks):
+            qkv = self._matmul(h, blk.attn_w)  # [T, 3C]
+            K.bias_add(qkv, blk.attn_b, out=qkv)
+            q, k, v = (qkv.reshape(1, T, 3, H, D)[:, :, j] for j in range(3))  # [1, T, H, D] views
+            if cache is not None:
+                K.kv_append(cache.k[i], cache.v[i], k, v, start, slots=slots)
+            a = K.causal_attention(q, k, v)  # [1, T, H, D]
+            y = self._matmul(a.reshape(T, C), blk.attn_proj_w)  # [T, C]
+            x, h = K.layernorm_residual(x, y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b,
+                                        eps=eps, sum_out=x)
+            f = self._matmul(h, blk.fc_w)  # [T, 4C]
+            K.bias_gelu(f, blk.fc_b, out=f)
+            y = self._matmul(f, blk.mlp_proj_w)  # [T, C]
+            last = i == cfg.n_layer - 1
+            ln_w, ln_b = (self.ln_f_w, self.ln_f_b) if last else (self.blocks[i + 1].ln_1_w, self.blocks[i + 1].ln_1_b)
+            if last and out_last is not None:  # only the last token's hidden state is needed
+                K.layernorm_residual(x[-1:], y[-1:], ln_w, ln_b, proj_bias=blk.mlp_proj_b, eps=eps,
+                                     out=out_last)
+                return None
+            x, h = K.layernorm_residual(x, y, ln_w, ln_b, proj_bias=blk.mlp_proj_b, eps=eps, sum_out=x)
+        return h
+
+    def logits(self, input_ids) -> cupy.ndarray:
+        """Full forward without cache: logits [B, T, V] in the model's dtype for input_ids
+        [B, T] or [T] (then [T, V])."""
+        rows, single = check_input_ids(input_ids, self.config, allow_ragged=False)
+        outs = []
+        for ids in rows:
+            h = self._prefill(cupy.asarray(ids, dtype=numpy.int32), None, 0, None)  # [T, C]
+            outs.append(self._matmul(h, self.lm_head))  # [T, V]
+        return outs[0] if single else cupy.stack(outs)
+
+    # ---------------------------------------------------------------------------------
+    # generation
+    # ---------------------------------------------------------------------------------
+    def _record_step(self, cache: KVCache, buf: _DecodeBuffers, choose) -> _build.Plan:
+        """The decode step as a launch plan: embed the tokens, run every block on the
+        cached keys / values, LM head, choose the next tokens, advance the positions."""
+        cfg = self.config
+        B, C, H, D, eps = buf.x.shape[0], cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
+        qkv = buf.qkv.reshape(B, 1, 3, H, D)  # view: [B, T=1, 3, H, D]
+        with _build.recording() as plan:
+            K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x)
+            K.layernorm(buf.x, self.blocks[0].ln_1_w, self.blocks[0].ln_1_b, eps=eps, out=buf.h)
+            for i, blk in enumerate(self.blocks):
+                K.linear(buf.h, blk.attn_w, blk.attn_b, out=buf.qkv)
+                K.kv_append(cache.k[i], cache.v[i], qkv[:, :, 1], qkv[:, :, 2], cache.positions,
+                            seq_lens=cache.lengths)
+                K.decode_attention(qkv[:, 0, 0], cache.k[i], cache.v[i], cache.lengths, out=buf.att)
+                K.linear(buf.att.reshape(B, C), blk.attn_proj_w, out=buf.y)
+                K.layernorm_residual(buf.x, buf.y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b,
+                                     eps=eps, out=buf.h, sum_out=buf.x)
+                K.linear(buf.h, blk.fc_w, blk.fc_b, gelu=True, out=buf.f)
+                K.linear(buf.f, blk.mlp_proj_w, out=buf.y)
+                last = i == cfg.n_layer - 1
+                ln_w, ln_b = (self.ln_f_w, self.ln_f_b) if last else (self.blocks[i + 1].ln_1_w, self.blocks[i + 1].ln_1_b)
+                K.layernorm_residual(buf.x, buf.y, ln_w, ln_b, proj_bias=blk.mlp_proj_b, eps=eps,
+                                     out=buf.h, sum_out=buf.x)
+            choose()
+            K.kv_advance(cache.positions)
+        return plan
+
+    def stream(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+               eos_token_id: int | None = None, use_cache: bool = True, cuda_graph: bool = True):
+        """An iterator over decoding steps: each item is a list with one new token id per
+        sequence (None for a sequence that has finished). Arguments as :meth:`generate`;
+        they are checked here, before the iterator is returned and before any launch."""
+        rows, _ = check_input_ids(input_ids, self.config)
+        seed = check_generate_args(rows, self.config, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
+                                   eos_token_id)
+        if max_new_tokens == 0:
+            return iter(())
+        return self._generate(rows, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
+                              eos_token_id, use_cache, cuda_graph)
+
+    def _generate(self, rows, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id,
+                  use_cache, cuda_graph):
+        cfg = self.config
+        B = len(rows)
+        buf = _DecodeBuffers(cfg, B, self.dtype)
+        max_len = max(r.size for r in rows) + max_new_tokens
+        cache = KVCache(cfg, B, max_len if use_cache else 1, self.dtype)
+
+        def choose():
+            K.linear(buf.h, self.lm_head, out_dtype=numpy.float32, out=buf.logits)
+            if do_sample:
+                K.sample(buf.logits, seed=seed, offset=buf.offsets, temperature=temperature, top_k=top_k,
+                         top_p=top_p, out=buf.tokens)
+            else:
+                K.argmax(buf.logits, out=buf.tokens)
+
+        with _build.recording() as head:
+            choose()
+        seqs = [list(map(int, r)) for r in rows]
+        done = [False] * B
+
+        def emit(tokens: numpy.ndarray):
+            step = []
+            for b in range(B):
+                if done[b]:
+                    step.append(None)
+                    continue
+                t = int(tokens[b])
+                seqs[b].append(t)
+                step.append(t)
+                if eos_token_id is not None and t == eos_token_id:
+                    done[b] = True
+            return step
+
+        # prefill: each prompt alone, its last hidden state into row b of buf.h
+        for b, r in enumerate(rows):
+            self._prefill(cupy.asarray(r, dtype=numpy.int32), cache if use_cache else None, b, buf.h[b:b + 1])
+        head.replay()
+        yield emit(buf.tokens.get())
+        if not use_cache:
+            for _ in range(max_new_tokens - 1):
+                if all(done):
+                    return
+                for b in range(B):
+                    self._prefill(cupy.asarray(seqs[b], dtype=numpy.int32), None, b, buf.h[b:b + 1])
+                head.replay()
+                yield emit(buf.tokens.get())
+            return
+
+        cache.positions.set(numpy.array([r.size for r in rows], dtype=numpy.int32))
+        step = self._record_step(cache, buf, choose)
+        run = step.replay
+        if cuda_graph:
+            graph_stream = cupy.cuda.Stream(non_blocking=True)
+            cupy.cuda.get_current_stream().synchronize()
+            with graph_stream:
+                graph_stream.begin_capture()
+                try:
+                    step.replay()
+                finally:
+                    graph = graph_stream.end_capture()
+
+            def run():
+                graph.launch(stream=graph_stream)
+                graph_stream.synchronize()
+
+        for _ in range(max_new_tokens - 1):
+            if all(done):
+                return
+            run()
+            yield emit(buf.tokens.get())
+
+    def generate(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 eos_token_id: int | None = None, use_cache: bool = True, cuda_graph: bool = True):
+        """Generate token ids.
+
+        input_ids: [T] or [B, T] ints, or a list of prompts of different lengths. Returns the
+        prompt followed by its new tokens: a list of ints for one sequence, a list of lists
+        for several. Greedy unless ``do_sample``; sampling applies temperature, then top_k,
+        then top_p, with Philox random numbers from ``seed`` (same seed, same tokens).
+        A sequence stops after ``eos_token_id``. ``use_cache=False`` recomputes the whole
+        sequence for every new token. ``cuda_graph`` (default) replays the decode step as one
+        CUDA graph; False launches its recorded kernels one by one.
+        Prompts are run one by one and decoding treats each row independently, so a batch
+        gives each sequence the same tokens as running it alone (greedy; sampling draws a
+        different random stream per row).
+        """
+        rows, single = check_input_ids(input_ids, self.config)
+        seqs = [list(map(int, r)) for r in rows]
+        for step in self.stream(rows, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                                top_p=top_p, seed=seed, eos_token_id=eos_token_id, use_cache=use_cache,
+                                cuda_graph=cuda_graph):
+            for b, t in enumerate(step):
+                if t is not None:
+                    seqs[b].append(t)
+        return seqs[0] if single else seqs
+
+
+# -------------------------------------------------------------------------------------
+# input checks: on the host, before anything is launched
+# -------------------------------------------------------------------------------------
+def check_input_ids(input_ids, config: GPT2Config, allow_ragged: bool = True) -> tuple[list[numpy.ndarray], bool]:
+    """input_ids ([T], [B, T], a list of prompts, or a CuPy / numpy array or tensor) as a
+    list of int64 numpy rows, and whether it was a single sequence. Raises TypeError /
+    ValueError for non-integer ids, an empty prompt, ids outside the vocabulary, or a
+    prompt longer than the model's positions."""
+    if isinstance(input_ids, cupy.ndarray):
+        input_ids = cupy.asnumpy(input_ids)
+    elif hasattr(input_ids, "__dlpack__") and not isinstance(input_ids, numpy.ndarray):
+        if hasattr(input_ids, "detach"):  # a torch tensor, wherever it lives
+            input_ids = input_ids.detach().cpu().numpy()
+        else:
+            input_ids = cupy.asnumpy(cupy.from_dlpack(input_ids))
+    if isinstance(input_ids, numpy.ndarray):
+        if input_ids.dtype.kind not in "iu":
+            raise TypeError(f"input_ids must hold integers, got dtype {input_ids.dtype}")
+        if input_ids.ndim not in (1, 2):
+            raise ValueError(f"input_ids must be [T] or [B, T], got shape {input_ids.shape}")
+        single = input_ids.ndim == 1
+        rows = [input_ids] if single else list(input_ids)
+    elif isinstance(input_ids, (list, tuple)):
+        if len(input_ids) == 0:
+            raise ValueError("input_ids is empty")
+        single = not isinstance(input_ids[0], (list, tuple, numpy.ndarray))
+        rows = [input_ids] if single else list(input_ids)
+    else:
+        raise TypeError(f"input_ids must be a list, numpy/CuPy array or tensor, got {type(input_ids).__name__}")
+    checked = []
+    for b, row in enumerate(rows):
+        if isinstance(row, (list, tuple)) and not all(
+            isinstance(t, (int, numpy.integer)) and not isinstance(t, bool) for t in row
+        ):
+            raise TypeError(f"sequence {b}: token ids must be integers")
+        arr = numpy.asarray(row)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise TypeError(f"sequence {b}: token ids must be integers, got dtype {arr.dtype}")
+        if arr.ndim != 1:
+            raise ValueError(f"sequence {b}: expected a flat list of token ids, got shape {arr.shape}")
+        if arr.size == 0:
+            raise ValueError(f"sequence {b} is empty: a prompt needs at least one token")
+        bad = (arr < 0) | (arr >= config.vocab_size)
+        if bad.any():
+            raise ValueError(f"sequence {b}: token id {int(arr[bad][0])} is outside the vocabulary [0, {config.vocab_size})")
+        if arr.size > config.n_positions:
+            raise ValueError(f"sequence {b} has {arr.size} tokens; the model has {config.n_positions} positions")
+        checked.append(arr.astype(numpy.int64))
+    if not allow_ragged and len({r.size for r in checked}) > 1:
+        raise ValueError("sequences of different lengths: pass them one at a time")
+    return checked, single
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, numpy.integer)) and not isinstance(x, bool)
+
+
+def check_generate_args(rows, config: GPT2Config, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
+                        eos_token_id) -> int | None:
+    """Checks generation settings; returns the seed to use (a fresh random one when
+    sampling without a seed)."""
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    for b, r in enumerate(rows):
+        if len(r) + max_new_tokens > config.n_positions:
+            raise ValueError(
+                f"sequence {b}: {len(r)} prompt tokens + {max_new_tokens} new tokens exceed the model's "
+                f"{config.n_positions} positions"
+            )
+    if eos_token_id is not None and (not _is_int(eos_token_id) or not 0 <= eos_token_id < config.vocab_size):
+        raise ValueError(f"eos_token_id must be None or a token id in [0, {config.vocab_size}), got {eos_token_id!r}")
+    if not do_sample:
+        return seed
+    if not (isinstance(temperature, (int, float)) and numpy.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if seed is None:
+        return int.from_bytes(os.urandom(8), "little")
+    if not _is_int(seed) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return int(seed)

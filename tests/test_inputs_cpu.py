@@ -1,0 +1,93 @@
+"""Input checks that need no GPU: they run before anything is allocated or launched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupy_kernels as K
+from gpt2_cupy import SIZES
+from gpt2_cupy.__main__ import main
+from gpt2_cupy.model import check_generate_args, check_input_ids, dtype_name
+
+CFG = SIZES["gpt2"]
+
+
+def test_kernels_reject_host_arrays_naming_the_argument():
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(TypeError, match="x must live on the GPU"):
+        K.layernorm(x, x[0], x[0])
+    with pytest.raises(TypeError, match="logits must live on the GPU"):
+        K.argmax(x)
+    with pytest.raises(TypeError, match="q must be a cupy.ndarray"):
+        K.causal_attention([1, 2], None, None)
+
+
+@pytest.mark.parametrize("ids,rows", [([1, 2, 3], [[1, 2, 3]]), ([[5], [6, 7]], [[5], [6, 7]]),
+                                      (np.array([[1, 2], [3, 4]], np.int32), [[1, 2], [3, 4]])])
+def test_input_ids_forms(ids, rows):
+    got, _ = check_input_ids(ids, CFG)
+    assert [r.tolist() for r in got] == rows
+
+
+@pytest.mark.parametrize("ids,error,match", [
+    ([], ValueError, "empty"),
+    ([[1], []], ValueError, "sequence 1 is empty"),
+    ([50257], ValueError, "outside the vocabulary"),
+    ([-3], ValueError, "outside the vocabulary"),
+    ([1.0, 2.0], TypeError, "integers"),
+    ([True], TypeError, "integers"),
+    (np.array([0.5]), TypeError, "integers"),
+    (list(range(1025)), ValueError, "positions"),
+    ("hello", TypeError, "input_ids"),
+    (np.zeros((1, 2, 3), np.int64), ValueError, r"\[T\] or \[B, T\]"),
+])
+def test_bad_input_ids(ids, error, match):
+    with pytest.raises(error, match=match):
+        check_input_ids(ids, CFG)
+
+
+def test_ragged_rejected_where_a_rectangle_is_needed():
+    with pytest.raises(ValueError, match="different lengths"):
+        check_input_ids([[1], [2, 3]], CFG, allow_ragged=False)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_new_tokens=1020), "exceed"),
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(max_new_tokens=2.0), "max_new_tokens"),
+    (dict(do_sample=True, temperature=0.0), "temperature"),
+    (dict(do_sample=True, temperature=float("nan")), "temperature"),
+    (dict(do_sample=True, top_k=0), "top_k"),
+    (dict(do_sample=True, top_p=1.5), "top_p"),
+    (dict(do_sample=True, seed=-1), "seed"),
+    (dict(eos_token_id=60000), "eos_token_id"),
+])
+def test_bad_generation_settings(kwargs, match):
+    settings = dict(max_new_tokens=4, do_sample=False, temperature=1.0, top_k=None, top_p=None, seed=None,
+                    eos_token_id=None)
+    settings.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        check_generate_args([[1, 2, 3, 4, 5]], CFG, **settings)
+
+
+def test_sampling_without_seed_draws_one():
+    seed = check_generate_args([[1]], CFG, 4, True, 1.0, None, None, None, None)
+    assert isinstance(seed, int) and 0 <= seed < 2**64
+
+
+@pytest.mark.parametrize("name,canonical", [("fp16", "float16"), ("bf16", "bfloat16"), ("float32", "float32"),
+                                            ("torch.float16", "float16")])
+def test_dtype_names(name, canonical):
+    assert dtype_name(name) == canonical
+
+
+def test_unknown_dtype():
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        dtype_name("int8")
+
+
+def test_command_line_error_is_one_line(capsys):
+    assert main(["hi", "--dtype", "int8", "--random-weights"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ValueError: unsupported dtype") and "\n" not in err

@@ -1,0 +1,182 @@
+"""The whole model on the GPU against transformers (random weights at the real sizes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from gpt2_cupy import GPT2, SIZES, generate, stream  # noqa: E402
+
+PROMPT = [15496, 11, 314, 1101, 257, 3303, 2746, 11]  # "Hello, I'm a language model,"
+
+
+def hf_model(size: str, seed: int = 0, perturb: bool = False):
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        hf = transformers.GPT2LMHeadModel(SIZES[size].to_hf())
+    hf.eval()
+    if perturb:  # non-zero biases, non-unit layernorm: a mapping mistake can't hide
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if p.ndim == 1:
+                    p.add_(torch.randn_like(p) * 0.1)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+@pytest.fixture(scope="module")
+def small():
+    hf = hf_model("gpt2", perturb=True)
+    return hf, GPT2.from_hf(hf, "float32")
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("size", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"])
+def test_logits_match_transformers(size):
+    hf = hf_model(size, seed=1, perturb=True)
+    ids = np.random.default_rng(0).integers(0, 50257, (2, 37))
+    with torch.no_grad():
+        expect = hf(torch.as_tensor(ids, device="cuda")).logits.double().cpu().numpy()
+    model = GPT2.from_hf(hf, "float32")
+    got = model.logits(ids).get()
+    assert got.shape == (2, 37, 50257)
+    assert rel_err(got, expect) < 1e-4
+    del model, hf
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_logits_error_at_most_twice_transformers(dtype):
+    """Against float32 logits, our half-precision model errs at most 2x as much as
+    transformers running in the same half precision."""
+    hf = hf_model("gpt2", seed=2, perturb=True)
+    ids = np.random.default_rng(1).integers(0, 50257, (1, 64))
+    tids = torch.as_tensor(ids, device="cuda")
+    with torch.no_grad():
+        exact = hf(tids).logits.double().cpu().numpy()
+        theirs = hf.to(getattr(torch, dtype))(tids).logits.double().cpu().numpy()
+    hf.float()
+    ours = GPT2.from_hf(hf, dtype).logits(ids).astype(cp.float32).get()
+    assert rel_err(ours, exact) <= 2 * rel_err(theirs, exact)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_greedy_512_tokens_match_transformers(use_cache):
+    hf = hf_model("gpt2")
+    with torch.no_grad():
+        expect = hf.generate(torch.tensor([PROMPT], device="cuda"), max_new_tokens=512, do_sample=False,
+                             use_cache=use_cache)[0].tolist()
+    got = GPT2.from_hf(hf, "float32").generate(PROMPT, 512, use_cache=use_cache)
+    assert len(got) == len(PROMPT) + 512
+    assert got == expect
+
+
+def test_batch_equals_one_by_one(small):
+    _, model = small
+    prompts = [PROMPT, [50, 8, 999, 4, 77, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [42]]
+    alone = [model.generate(p, 40) for p in prompts]
+    assert model.generate(prompts, 40) == alone
+    assert model.generate(prompts, 40, cuda_graph=False) == alone
+    assert model.generate(prompts, 5, use_cache=False) == [a[: len(p) + 5] for a, p in zip(alone, prompts)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_cached_tokens_are_argmax_of_full_forward(small, dtype):
+    """Each token the cached decode path picked is (within rounding) the argmax of the
+    full forward pass's logits at its position."""
+    hf, _ = small
+    model = GPT2.from_hf(hf, dtype)
+    seq = model.generate(PROMPT, 24)
+    logits = model.logits(seq[:-1]).astype(cp.float32).get()  # [T, V]
+    tol = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}[dtype]
+    for pos in range(len(PROMPT) - 1, len(seq) - 1):
+        row = logits[pos]
+        assert row[seq[pos + 1]] >= row.max() - tol * np.abs(row).max()
+
+
+def test_sampling_is_seeded(small):
+    _, model = small
+    kw = dict(do_sample=True, temperature=0.9, top_k=50, top_p=0.95)
+    a = model.generate(PROMPT, 30, seed=7, **kw)
+    assert model.generate(PROMPT, 30, seed=7, **kw) == a
+    assert model.generate(PROMPT, 30, seed=7, cuda_graph=False, **kw) == a
+    assert model.generate(PROMPT, 30, seed=8, **kw) != a
+    assert all(0 <= t < 50257 for t in a)
+
+
+def test_eos_stops_a_sequence(small):
+    _, model = small
+    first = model.generate(PROMPT, 10)
+    eos = first[len(PROMPT) + 2]  # the third new token
+    got = model.generate(PROMPT, 10, eos_token_id=eos)
+    assert got == first[: first.index(eos, len(PROMPT)) + 1]
+
+
+def test_bad_inputs_raise_and_model_stays_usable(small):
+    _, model = small
+    before = model.generate(PROMPT, 8)
+    with pytest.raises(ValueError, match="positions"):
+        model.generate(list(range(1000)), 100)
+    with pytest.raises(ValueError, match="empty"):
+        model.generate([], 4)
+    with pytest.raises(ValueError, match="empty"):
+        model.generate([PROMPT, []], 4)
+    with pytest.raises(ValueError, match="vocabulary"):
+        model.generate([1, 2, 50257], 4)
+    with pytest.raises(ValueError, match="vocabulary"):
+        model.generate([-1], 4)
+    with pytest.raises(TypeError, match="integers"):
+        model.generate(np.array([1.0, 2.0]), 4)
+    with pytest.raises(TypeError, match="integers"):
+        model.generate([1, 2.5], 4)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(PROMPT, 4, do_sample=True, temperature=0)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(PROMPT, 4, do_sample=True, top_p=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(PROMPT, -1)
+    with pytest.raises(ValueError, match="dtype"):
+        GPT2.from_hf(small[0], "int8")
+    assert model.generate(PROMPT, 8) == before
+    assert model.generate(cp.asarray(PROMPT), 8) == before
+    assert model.generate(torch.tensor(PROMPT, device="cuda"), 8) == before
+
+
+def test_text_generate_and_stream(small):
+    _, model = small
+    prompt = "Hello, I'm a language model,"
+    text = generate(prompt, model, max_new_tokens=20, eos_token_id=None)
+    assert text.startswith(prompt) and len(text) > len(prompt)
+    pieces = list(stream(prompt, model, max_new_tokens=20, eos_token_id=None))
+    assert prompt + "".join(pieces) == text
+    batch = generate([prompt, "The"], model, max_new_tokens=20, eos_token_id=None)
+    assert batch[0] == text
+    stop = text[len(prompt) + 5: len(prompt) + 8]
+    cut = generate(prompt, model, max_new_tokens=20, eos_token_id=None, stop=stop)
+    assert stop not in cut[len(prompt):] and text.startswith(cut)
+    with pytest.raises(ValueError, match="empty"):
+        generate("", model)
+    with pytest.raises(ValueError, match="positions"):
+        generate(prompt, model, max_new_tokens=1020)
+
+
+def test_command_line_random_weights():
+    run = subprocess.run([sys.executable, "-m", "gpt2_cupy", "Hello", "--random-weights", "--max-new-tokens", "12",
+                          "--dtype", "float16"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("Hello")
+    assert "tokens/s" in run.stderr
