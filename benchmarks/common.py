@@ -1,0 +1,89 @@
+"""What every benchmark shares: device banner, versions, the measured copy ceiling, a
+CUDA-event timer with a cold L2, and the result file (benchmarks/results/<bench>-<device>.json)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import re
+import statistics
+from pathlib import Path
+
+import cupy
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_name() -> str:
+    return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+
+
+def device_slug() -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'."""
+    m = re.search(r"\b([A-Z]+\d+[A-Z]?)\b", device_name().replace("NVIDIA", ""))
+    return (m.group(1) if m else re.sub(r"\W+", "-", device_name())).lower()
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "cupy": cupy.__version__,
+           "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+           "driver": cupy.cuda.runtime.driverGetVersion()}
+    for name in ("numpy", "torch", "transformers"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return out
+
+
+def banner() -> str:
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return (f"{device_name()}: {props['multiProcessorCount']} SMs, {props['l2CacheSize'] / 2**20:.0f} MiB L2, "
+            f"{props['totalGlobalMem'] / 2**30:.0f} GiB; " + ", ".join(f"{k} {v}" for k, v in versions().items()))
+
+
+class _L2Flush:
+    """Overwrites a buffer twice the L2 size, so a timed run starts with a cold cache."""
+
+    def __init__(self):
+        l2 = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"]
+        self.buf = cupy.empty(2 * l2 // 4, dtype=cupy.float32)
+
+    def __call__(self):
+        self.buf.fill(0)
+
+
+def time_gpu(fn, *, warmup: int = 3, reps: int = 20, cold_l2: bool = True) -> dict:
+    """Median and spread (min, max) in microseconds of ``fn()`` timed with CUDA events."""
+    flush = _L2Flush() if cold_l2 else None
+    for _ in range(warmup):
+        fn()
+    times = []
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    for _ in range(reps):
+        if flush:
+            flush()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
+    return {"us": statistics.median(times), "us_min": min(times), "us_max": max(times)}
+
+
+def copy_ceiling_GBps(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second / 1e9."""
+    src = cupy.ones(nbytes // 4, dtype=cupy.float32)
+    dst = cupy.empty_like(src)
+    t = time_gpu(lambda: cupy.copyto(dst, src), warmup=3, reps=10, cold_l2=False)
+    return 2 * nbytes / (t["us"] * 1e-6) / 1e9
+
+
+def write_results(bench: str, rows: list[dict], ceilings: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{bench}-{device_slug()}.json"
+    doc = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "versions": versions(), "ceilings": ceilings, "rows": rows}
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path

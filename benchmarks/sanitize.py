@@ -1,0 +1,56 @@
+"""Runs every kernel once, on small awkward shapes in each dtype, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck  python benchmarks/sanitize.py
+    compute-sanitizer --tool racecheck python benchmarks/sanitize.py
+
+Sizes are chosen to hit ragged tiles and the scalar paths, and to stay quick under the tools.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+import cupy_kernels as K
+from cupy_kernels import _build
+
+
+def main():
+    rng = np.random.default_rng(0)
+
+    def r(*shape, dtype):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+    for dtype in _build.CTYPES:
+        for rows, cols in ((3, 781), (2, 768), (1, 50257)):
+            x, y = r(rows, cols, dtype=dtype), r(rows, cols, dtype=dtype)
+            w, b = r(cols, dtype=dtype), r(cols, dtype=dtype)
+            K.layernorm(x, w, b)
+            K.layernorm_residual(x, y, w, b, proj_bias=b)
+            K.bias_gelu(x, b)
+            K.bias_add(x, b)
+            K.softmax(x, scale=0.5)
+        K.softmax(r(2, 9, 13, dtype=dtype), causal=True)
+        wte, wpe = r(100, 781, dtype=dtype), r(16, 781, dtype=dtype)
+        K.embedding(cp.asarray([1, 99, 5], dtype=np.int32), wte, wpe, cp.asarray([0, 15, 3], dtype=np.int32))
+        for T, D in ((1, 64), (67, 64), (130, 128)):
+            qkv = r(2, T, 3, 2, D, dtype=dtype)
+            K.causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+            kc, vc = r(2, 2, T + 5, D, dtype=dtype), r(2, 2, T + 5, D, dtype=dtype)
+            K.kv_append(kc, vc, qkv[:, :, 1], qkv[:, :, 2], cp.asarray([0, 5], dtype=np.int32),
+                        seq_lens=cp.zeros(2, dtype=np.int32))
+            K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32))
+        for B, N, Kd in ((1, 100, 64), (5, 33, 781)):
+            K.linear(r(B, Kd, dtype=dtype), r(N, Kd, dtype=dtype), r(N, dtype=dtype), gelu=True)
+            K.linear(r(B, Kd, dtype=dtype), r(N, Kd, dtype=dtype), out_dtype=np.float32)
+        logits = r(3, 50257, dtype=dtype)
+        K.argmax(logits)
+        K.sample(logits, seed=1, offset=0, temperature=0.9, top_k=40, top_p=0.9)
+        K.sample(logits, seed=1, offset=0)
+        K.kv_advance(cp.zeros(3, dtype=np.int32))
+    cp.cuda.runtime.deviceSynchronize()
+    print("all kernels ran")
+
+
+if __name__ == "__main__":
+    main()
