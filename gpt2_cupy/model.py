@@ -175,6 +175,12 @@ class GPT2:
         """x [T, K] @ w.T for w [N, K] (out, in): cuBLAS through CuPy for prefill."""
         return cupy.matmul(x, w.T)
 
+    def _next_ln(self, i: int) -> tuple[cupy.ndarray, cupy.ndarray]:
+        """The LayerNorm after block i: the next block's ln_1, or ln_f after the last."""
+        if i == self.config.n_layer - 1:
+            return self.ln_f_w, self.ln_f_b
+        return self.blocks[i + 1].ln_1_w, self.blocks[i + 1].ln_1_b
+
     def _prefill(self, ids: cupy.ndarray, cache: KVCache | None, slot: int, out_last: cupy.ndarray | None):
         """Forward over one sequence's tokens ids [T] (int32, on the GPU).
 
@@ -204,9 +210,8 @@ class GPT2:
             f = self._matmul(h, blk.fc_w)  # [T, 4C]
             K.bias_gelu(f, blk.fc_b, out=f)
             y = self._matmul(f, blk.mlp_proj_w)  # [T, C]
-            last = i == cfg.n_layer - 1
-            ln_w, ln_b = (self.ln_f_w, self.ln_f_b) if last else (self.blocks[i + 1].ln_1_w, self.blocks[i + 1].ln_1_b)
-            if last and out_last is not None:  # only the last token's hidden state is needed
+            ln_w, ln_b = self._next_ln(i)
+            if i == cfg.n_layer - 1 and out_last is not None:  # only the last token's hidden state is needed
                 K.layernorm_residual(x[-1:], y[-1:], ln_w, ln_b, proj_bias=blk.mlp_proj_b, eps=eps,
                                      out=out_last)
                 return None
@@ -245,8 +250,7 @@ class GPT2:
                                      eps=eps, out=buf.h, sum_out=buf.x)
                 K.linear(buf.h, blk.fc_w, blk.fc_b, gelu=True, out=buf.f)
                 K.linear(buf.f, blk.mlp_proj_w, out=buf.y)
-                last = i == cfg.n_layer - 1
-                ln_w, ln_b = (self.ln_f_w, self.ln_f_b) if last else (self.blocks[i + 1].ln_1_w, self.blocks[i + 1].ln_1_b)
+                ln_w, ln_b = self._next_ln(i)
                 K.layernorm_residual(buf.x, buf.y, ln_w, ln_b, proj_bias=blk.mlp_proj_b, eps=eps,
                                      out=buf.h, sum_out=buf.x)
             choose()

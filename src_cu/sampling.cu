@@ -98,6 +98,20 @@ __device__ unsigned select_threshold(int V, u64 target, KeyFn key_of, WeightFn w
     return prefix;
 }
 
+// Warp-wide (value, index) argmax: the larger value wins, then the smaller index;
+// index -1 marks "no element".
+__device__ __forceinline__ void warp_argmax(float& best, int& idx) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(FULL_MASK, best, o);
+        const int i = __shfl_xor_sync(FULL_MASK, idx, o);
+        if (i >= 0 && (idx < 0 || v > best || (v == best && i < idx))) {
+            best = v;
+            idx = i;
+        }
+    }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(THREADS) argmax_kernel(int* __restrict__ out, const T* __restrict__ logits, int V) {
     __shared__ float s_val[32];
@@ -105,26 +119,14 @@ __global__ void __launch_bounds__(THREADS) argmax_kernel(int* __restrict__ out, 
     const T* x = logits + static_cast<long long>(blockIdx.x) * V;
     float best = -INFINITY;
     int idx = -1;
-    for (int i = threadIdx.x; i < V; i += THREADS) {
+    for (int i = threadIdx.x; i < V; i += THREADS) {  // increasing i: ties keep the first
         const float v = to_float(x[i]);
         if (idx < 0 || v > best) {
             best = v;
             idx = i;
         }
     }
-    // (value, index) pairs: larger value wins, then the smaller index
-    auto better = [](float v, int i, float bv, int bi) {
-        return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
-    };
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v = __shfl_xor_sync(FULL_MASK, best, o);
-        const int i = __shfl_xor_sync(FULL_MASK, idx, o);
-        if (better(v, i, best, idx)) {
-            best = v;
-            idx = i;
-        }
-    }
+    warp_argmax(best, idx);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) {
         s_val[warp] = best;
@@ -134,15 +136,7 @@ __global__ void __launch_bounds__(THREADS) argmax_kernel(int* __restrict__ out, 
     if (warp == 0) {
         best = s_val[lane];
         idx = s_idx[lane];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float v = __shfl_xor_sync(FULL_MASK, best, o);
-            const int i = __shfl_xor_sync(FULL_MASK, idx, o);
-            if (better(v, i, best, idx)) {
-                best = v;
-                idx = i;
-            }
-        }
+        warp_argmax(best, idx);
         if (lane == 0) out[blockIdx.x] = idx;
     }
 }
