@@ -228,6 +228,31 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@functools.cache
+def _smem_optin(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+
+
+@functools.cache
+def sm_count(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
+def row_smem(cols: int, name: str) -> int:
+    """Shared memory for a row of ``cols`` float32 values, or ValueError past the device's limit."""
+    import cupy
+
+    nbytes = 4 * cols
+    limit = _smem_optin(cupy.cuda.Device().id)
+    if nbytes > limit:
+        raise ValueError(f"{name} rows of {cols} elements exceed this GPU's {limit // 4} (shared memory)")
+    return nbytes
+
+
 def set_smem(kern, nbytes: int) -> None:
     """Allow ``kern`` to use ``nbytes`` of dynamic shared memory (above 48 KiB needs opt-in)."""
     kern = getattr(kern, "raw", kern)

@@ -10,10 +10,11 @@ import itertools
 import cupy
 
 from . import _build, _checks
-from ._build import i32, i64
+from ._build import i32
 
 _SRC = "gelu.cu"
 _THREADS = 256
+_WAVES = 16  # blocks per SM to aim for
 
 
 def _name(c_type: str, vec: int, gelu: bool) -> str:
@@ -43,8 +44,12 @@ def _bias_act(x, bias, out, gelu: bool) -> cupy.ndarray:
         return out
     vec = _checks.vec_width(x.dtype, cols, x, bias, out)
     kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec, gelu))
-    blocks = min(_build.cdiv(x.size // vec, _THREADS), 65536)
-    kern((blocks,), (_THREADS,), (out, x, bias, i64(x.size), i32(cols)))
+    rows, chunks = x.size // cols, _build.cdiv(cols, vec)
+    threads = min(_THREADS, 32 * _build.cdiv(chunks, 32))
+    grid_x = _build.cdiv(chunks, threads)
+    # enough blocks to keep every SM busy, each walking several rows
+    grid_y = min(rows, max(1, _WAVES * _build.sm_count(cupy.cuda.Device().id) // grid_x), 65535)
+    kern((grid_x, grid_y), (threads,), (out, x, bias, i32(rows), i32(cols)))
     return out
 
 

@@ -37,7 +37,7 @@ def _launch(out, sum_out, x, y, bias, weight, b, eps):
     vec = _checks.vec_width(x.dtype, C, out, sum_out, x, y, bias, weight, b)
     c_type = _build.ctype(x.dtype)
     kern = _build.kernel(_SRC, _name(c_type, vec, y is not None))
-    smem = 4 * C
+    smem = _build.row_smem(C, "x")  # the row as float32
     _build.set_smem(kern, smem)
     null = 0
     kern(

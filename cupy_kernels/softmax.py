@@ -36,6 +36,8 @@ def softmax(x, *, scale: float = 1.0, causal: bool = False, out=None) -> cupy.nd
     q_len = x.shape[-2] if causal else 1
     vec = _checks.vec_width(x.dtype, cols, x, out)
     kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec))
+    smem = _build.row_smem(cols, "x")  # the row as float32
+    _build.set_smem(kern, smem)
     kern((x.size // cols,), (_build.row_threads(cols, vec),),
-         (out, x, i32(cols), i32(q_len), i32(int(causal)), f32(scale)))
+         (out, x, i32(cols), i32(q_len), i32(int(causal)), f32(scale)), shared_mem=smem)
     return out

@@ -5,8 +5,10 @@
 // Causal: row r is query q = r mod q_len of a [q_len, cols] score matrix, aligned
 // bottom-right: it sees columns c <= q + (cols - q_len); hidden columns are written as 0,
 // and a row with no visible column is all 0.
-// One block per row, two passes: the first keeps an online (max, sum) per thread (one read
-// of the row), merged across the block; the second writes. Bytes: 2 reads + 1 write.
+// One block per row (its size chosen from the row length by the wrapper). One read of the
+// row from memory: each thread keeps the values it loaded in shared memory (as float32)
+// and an online (max, sum) in registers; one block merge; then it writes its own values
+// back from shared memory. Bytes: 1 read + 1 write of the row.
 //
 // Specializations: T in {float, __half, __nv_bfloat16} x VEC in {1, 16/sizeof(T)}.
 // Wrapper: cupy_kernels/softmax.py   Tests: tests/test_kernels_gpu.py
@@ -17,6 +19,7 @@ using namespace g2c;
 template <typename T, int VEC>
 __global__ void softmax_kernel(T* __restrict__ out, const T* __restrict__ x, int cols, int q_len,
                                int causal, float scale) {
+    extern __shared__ float row[];  // cols floats
     __shared__ float scratch[64];
     const long long offset = static_cast<long long>(blockIdx.x) * cols;
     x += offset;
@@ -30,17 +33,20 @@ __global__ void softmax_kernel(T* __restrict__ out, const T* __restrict__ x, int
         float v[VEC];
         load_vec<T, VEC>(x + i, v);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k)
-            if (i + k < visible) acc = merge(acc, MaxSum{v[k] * s2, 1.0f});
+        for (int k = 0; k < VEC; ++k) {
+            v[k] *= s2;
+            row[i + k] = v[k];
+            if (i + k < visible) acc = merge(acc, MaxSum{v[k], 1.0f});
+        }
     }
     acc = block_merge(acc, scratch);
     const float inv = acc.s > 0.0f ? 1.0f / acc.s : 0.0f;
 
+    // each thread reads back only what it wrote: no barrier needed
     for (int i = threadIdx.x * VEC; i < cols; i += blockDim.x * VEC) {
         float v[VEC];
-        load_vec<T, VEC>(x + i, v);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) v[k] = i + k < visible ? exp2f(v[k] * s2 - acc.m) * inv : 0.0f;
+        for (int k = 0; k < VEC; ++k) v[k] = i + k < visible ? exp2f(row[i + k] - acc.m) * inv : 0.0f;
         store_vec<T, VEC>(out + i, v);
     }
 }

@@ -300,3 +300,15 @@ def test_bad_inputs_raise_before_launch():
         K.sample(x, seed=1, top_p=1.5)
     with pytest.raises(ValueError, match="out"):
         K.bias_gelu(x, w, out=cp.empty((4, 767), np.float32))
+
+
+def test_no_kernel_spills_to_local_memory():
+    """The compiler's resource report: no specialization uses local memory (spills or
+    run-time-indexed register arrays)."""
+    spilled = {}
+    for source, names in _build.declared().items():
+        for name in names:
+            kern = _build.kernel(source, name)
+            if kern.local_size_bytes:
+                spilled[name] = (kern.local_size_bytes, kern.num_regs)
+    assert not spilled, spilled

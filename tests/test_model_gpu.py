@@ -45,7 +45,7 @@ def rel_err(a, b) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.mark.parametrize("size", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"])
+@pytest.mark.parametrize("size", ["distilgpt2", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"])
 def test_logits_match_transformers(size):
     hf = hf_model(size, seed=1, perturb=True)
     ids = np.random.default_rng(0).integers(0, 50257, (2, 37))
@@ -180,3 +180,20 @@ def test_command_line_random_weights():
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("Hello")
     assert "tokens/s" in run.stderr
+
+
+def test_from_pretrained_local_directory(tmp_path):
+    """A model saved in transformers' format loads from its directory, by the API and the CLI."""
+    hf = hf_model("distilgpt2", seed=3, perturb=True)
+    hf.save_pretrained(tmp_path)
+    ids = np.random.default_rng(2).integers(0, 50257, (1, 9))
+    a = GPT2.from_pretrained(str(tmp_path), dtype="float32").logits(ids).get()
+    b = GPT2.from_hf(hf, "float32").logits(ids).get()
+    np.testing.assert_array_equal(a, b)
+    run = subprocess.run([sys.executable, "-m", "gpt2_cupy", "Hi", "--model", str(tmp_path), "--max-new-tokens", "4"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    missing = subprocess.run([sys.executable, "-m", "gpt2_cupy", "Hi", "--model", str(tmp_path / "nope")],
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 1 and missing.stderr.startswith("error:")
+    assert "Traceback" not in missing.stderr
