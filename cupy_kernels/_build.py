@@ -116,7 +116,8 @@ def _cuda_include_dirs() -> tuple[str, ...]:
 def options() -> tuple[str, ...]:
     """NVRTC options shared by the run-time path and :func:`compile_for_arch`."""
     includes = (SRC_DIR.as_posix(), *_cuda_include_dirs())
-    return ("-std=c++17", *(f"-I{d}" for d in includes))
+    # -default-device: unannotated functions (generic lambdas among them) are device code
+    return ("-std=c++17", "-default-device", *(f"-I{d}" for d in includes))
 
 
 @functools.cache
@@ -265,6 +266,6 @@ def vec_widths(c_type: str) -> tuple[int, int]:
     return (1, 4 if c_type == "float" else 8)
 
 
-def row_threads(cols: int, vec: int) -> int:
-    """Threads for a one-block-per-row kernel: one VEC-wide chunk each, 32 to 1024."""
-    return min(1024, max(32, 32 * cdiv(cdiv(cols, vec), 32)))
+def row_threads(cols: int, vec: int, per_thread: int = 1) -> int:
+    """Threads for a one-block-per-row kernel: ``per_thread`` VEC-wide chunks each, 32 to 1024."""
+    return min(1024, max(32, 32 * cdiv(cdiv(cols, vec * per_thread), 32)))

@@ -29,20 +29,22 @@ _build.declare(
 )
 
 
+_U = 4  # vectors in flight per thread (layernorm.cu)
+
+
 def _launch(out, sum_out, x, y, bias, weight, b, eps):
     C = x.shape[-1]
-    rows = x.size // C if C else 0
-    if rows == 0:
-        return
-    vec = _checks.vec_width(x.dtype, C, out, sum_out, x, y, bias, weight, b)
-    c_type = _build.ctype(x.dtype)
-    kern = _build.kernel(_SRC, _name(c_type, vec, y is not None))
+    rows = x.size // C
+    vec = _checks.row_vec_width(x.dtype, out, sum_out, x, y)
+    kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec, y is not None))
     smem = _build.row_smem(C, "x")  # the row as float32
     _build.set_smem(kern, smem)
+    if rows == 0:
+        return
     null = 0
     kern(
         (rows,),
-        (_build.row_threads(C, vec),),
+        (_build.row_threads(C, vec, _U),),
         (out, null if sum_out is None else sum_out, x, null if y is None else y,
          null if bias is None else bias, weight, b, i32(C), f32(eps)),
         shared_mem=smem,

@@ -11,6 +11,7 @@ from . import _build, _checks
 from ._build import f32, i32
 
 _SRC = "softmax.cu"
+_U = 4  # vectors in flight per thread (softmax.cu)
 
 
 def _name(c_type: str, vec: int) -> str:
@@ -34,10 +35,10 @@ def softmax(x, *, scale: float = 1.0, causal: bool = False, out=None) -> cupy.nd
     if x.size == 0:
         return out
     q_len = x.shape[-2] if causal else 1
-    vec = _checks.vec_width(x.dtype, cols, x, out)
+    vec = _checks.row_vec_width(x.dtype, x, out)
     kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec))
     smem = _build.row_smem(cols, "x")  # the row as float32
     _build.set_smem(kern, smem)
-    kern((x.size // cols,), (_build.row_threads(cols, vec),),
+    kern((x.size // cols,), (_build.row_threads(cols, vec, _U),),
          (out, x, i32(cols), i32(q_len), i32(int(causal)), f32(scale)), shared_mem=smem)
     return out

@@ -80,6 +80,89 @@ __device__ __forceinline__ void store_vec(T* p, const float (&in)[VEC]) {
 }
 
 // ---------------------------------------------------------------------------------------
+// rows of one-block-per-row kernels: the 16-byte-aligned middle of a row is read as
+// VEC-wide vectors, the unaligned head and tail (< VEC elements each) as scalars, so any
+// row length works at full width (a [rows, 781] array's rows alternate alignments).
+// All arrays walked together must have the same alignment: the wrappers check this.
+// ---------------------------------------------------------------------------------------
+struct RowSplit {
+    int head;   // scalars before the first aligned vector
+    int n_vec;  // aligned vectors
+    int tail;   // index of the first scalar after them
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ RowSplit split_row(const T* row, int C) {
+    const int mis = VEC == 1 ? 0 : static_cast<int>((reinterpret_cast<unsigned long long>(row) / sizeof(T)) % VEC);
+    const int head = min(C, mis ? VEC - mis : 0);
+    const int n_vec = (C - head) / VEC;
+    return {head, n_vec, head + n_vec * VEC};
+}
+
+// Calls f(x_i, y_i, i) for every element i of two rows with the same alignment (y may be
+// null: then y_i = 0). Each thread keeps U vectors' loads in flight before using them.
+template <typename T, int VEC, int U, typename F>
+__device__ __forceinline__ void for_each_in_rows(const T* x, const T* y, int C, F&& f) {
+    const RowSplit rs = split_row<T, VEC>(x, C);
+    for (int i = threadIdx.x; i < rs.head; i += blockDim.x) f(to_float(x[i]), y ? to_float(y[i]) : 0.0f, i);
+    for (int i = rs.tail + threadIdx.x; i < C; i += blockDim.x) f(to_float(x[i]), y ? to_float(y[i]) : 0.0f, i);
+    for (int base = 0; base < rs.n_vec; base += blockDim.x * U) {
+        float a[U][VEC], b[U][VEC];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = base + u * blockDim.x + threadIdx.x;
+            if (j < rs.n_vec) {
+                load_vec<T, VEC>(x + rs.head + j * VEC, a[u]);
+                if (y) load_vec<T, VEC>(y + rs.head + j * VEC, b[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = base + u * blockDim.x + threadIdx.x;
+            if (j < rs.n_vec) {
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) f(a[u][k], y ? b[u][k] : 0.0f, rs.head + j * VEC + k);
+            }
+        }
+    }
+}
+
+// Writes a row: g(i0, v) fills v (a float[VEC] for an aligned vector, a float[1] for a
+// head or tail scalar) with the values of elements i0, i0 + 1, ...
+template <typename T, int VEC, typename G>
+__device__ __forceinline__ void write_row(T* out, int C, G&& g) {
+    const RowSplit rs = split_row<T, VEC>(out, C);
+    for (int i = threadIdx.x; i < rs.head; i += blockDim.x) {
+        float v[1];
+        g(i, v);
+        out[i] = from_float<T>(v[0]);
+    }
+    for (int i = rs.tail + threadIdx.x; i < C; i += blockDim.x) {
+        float v[1];
+        g(i, v);
+        out[i] = from_float<T>(v[0]);
+    }
+    for (int j = threadIdx.x; j < rs.n_vec; j += blockDim.x) {
+        float v[VEC];
+        const int i0 = rs.head + j * VEC;
+        g(i0, v);
+        store_vec<T, VEC>(out + i0, v);
+    }
+}
+
+// VEC elements from p: one 16-byte load when p is aligned, scalars otherwise (parameters
+// such as LayerNorm's weight, whose alignment need not match the row's).
+template <typename T, int VEC>
+__device__ __forceinline__ void load_any(const T* p, float (&out)[VEC]) {
+    if (VEC > 1 && reinterpret_cast<unsigned long long>(p) % 16 == 0) {
+        load_vec<T, VEC>(p, out);
+    } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) out[k] = to_float(p[k]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // warp and block reductions (float32)
 // ---------------------------------------------------------------------------------------
 constexpr unsigned FULL_MASK = 0xffffffffu;
@@ -118,43 +201,6 @@ __device__ __forceinline__ float block_max(float x, float* scratch) {
     __syncthreads();
     x = lane < n_warps ? scratch[lane] : -INFINITY;
     return warp_max(x);
-}
-
-// ---------------------------------------------------------------------------------------
-// online softmax state: running max m (log2 domain) and sum s of exp2(x - m)
-// ---------------------------------------------------------------------------------------
-struct MaxSum {
-    float m, s;
-};
-
-__device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
-    const float m = fmaxf(a.m, b.m);
-    if (m == -INFINITY) return {m, 0.0f};
-    return {m, a.s * exp2f(a.m - m) + b.s * exp2f(b.m - m)};
-}
-
-__device__ __forceinline__ MaxSum warp_merge(MaxSum x) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        MaxSum y{__shfl_xor_sync(FULL_MASK, x.m, o), __shfl_xor_sync(FULL_MASK, x.s, o)};
-        x = merge(x, y);
-    }
-    return x;
-}
-
-// Whole-block merge; every thread gets the result. `scratch` holds 64 floats.
-__device__ __forceinline__ MaxSum block_merge(MaxSum x, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n_warps = (blockDim.x + 31) >> 5;
-    x = warp_merge(x);
-    __syncthreads();
-    if (lane == 0) {
-        scratch[warp] = x.m;
-        scratch[32 + warp] = x.s;
-    }
-    __syncthreads();
-    x = lane < n_warps ? MaxSum{scratch[lane], scratch[32 + lane]} : MaxSum{-INFINITY, 0.0f};
-    return warp_merge(x);
 }
 
 constexpr float LOG2E = 1.4426950408889634f;

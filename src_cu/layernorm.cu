@@ -4,19 +4,25 @@
 //   residual:  s = x + y (+ bias);  sum_out = s;  out = layernorm(s)
 //              (the GPT-2 block: residual stream + projection output + projection bias)
 //
-// One block per row. Each thread walks the row in VEC-wide steps (16-byte vectors when
-// the row is aligned, VEC = 1 otherwise), keeps the row in shared memory as float32, and
-// the mean and the variance come from two block reductions over that copy (two-pass
-// variance: no cancellation). Bytes: read C (x2 and bias for residual) + w + b, write C
-// (x2 for residual) per row; FLOPs negligible -> bandwidth bound.
-// In the residual form the sum is rounded to T before it is normalized, as a framework
-// that stores the residual stream in T would do.
+// One block per row, its size chosen by the wrapper so that each thread has about U
+// 16-byte vectors of the row: all U loads are issued before the first is used (enough
+// bytes in flight to cover memory latency). The row is kept in shared memory as float32;
+// mean and variance come from two block reductions over that copy (two-pass variance: no
+// cancellation), then the output is written from it. Any length: the row's aligned middle
+// moves as vectors, its unaligned head and tail as scalars (common.cuh).
+// Bytes: read C (x2 for residual) + w + b, write C (x2 for residual) per row; FLOPs
+// negligible -> bandwidth bound. In the residual form the sum is rounded to T before it
+// is normalized, as a framework that stores the residual stream in T would do.
 //
 // Specializations: T in {float, __half, __nv_bfloat16} x VEC in {1, 16/sizeof(T)} x RESIDUAL.
 // Wrapper: cupy_kernels/layernorm.py   Tests: tests/test_kernels_gpu.py
 #include "common.cuh"
 
 using namespace g2c;
+
+namespace {
+constexpr int U = 4;  // vectors in flight per thread (the wrapper sizes blocks for it)
+}
 
 template <typename T, int VEC, bool RESIDUAL>
 __global__ void layernorm_kernel(T* __restrict__ out, T* sum_out,  // sum_out may alias x
@@ -34,47 +40,33 @@ __global__ void layernorm_kernel(T* __restrict__ out, T* sum_out,  // sum_out ma
     }
 
     float sum = 0.0f;
-    for (int i = threadIdx.x * VEC; i < C; i += blockDim.x * VEC) {
-        float v[VEC];
-        load_vec<T, VEC>(x + i, v);
-        if constexpr (RESIDUAL) {
-            float u[VEC], c[VEC];
-            load_vec<T, VEC>(y + i, u);
-            if (bias != nullptr) {
-                load_vec<T, VEC>(bias + i, c);
-            } else {
-#pragma unroll
-                for (int k = 0; k < VEC; ++k) c[k] = 0.0f;
-            }
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) v[k] = to_float(from_float<T>(v[k] + u[k] + c[k]));
-            store_vec<T, VEC>(sum_out + i, v);
-        }
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-            row[i + k] = v[k];
-            sum += v[k];
-        }
-    }
-    const float mean = block_sum(sum, scratch) / C;
+    for_each_in_rows<T, VEC, U>(x, RESIDUAL ? y : nullptr, C, [&](float a, float c, int i) {
+        if constexpr (RESIDUAL) a = to_float(from_float<T>(a + c + (bias ? to_float(bias[i]) : 0.0f)));
+        row[i] = a;
+        sum += a;
+    });
+    const float mean = block_sum(sum, scratch) / C;  // its barrier also publishes row[]
 
-    // each thread reads back only the elements it wrote: no barrier needed
     float sq = 0.0f;
-    for (int i = threadIdx.x * VEC; i < C; i += blockDim.x * VEC) {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-            const float d = row[i + k] - mean;
-            sq += d * d;
-        }
+    for (int i = threadIdx.x; i < C; i += blockDim.x) {
+        const float d = row[i] - mean;
+        sq += d * d;
     }
     const float rstd = rsqrtf(block_sum(sq, scratch) / C + eps);
 
-    for (int i = threadIdx.x * VEC; i < C; i += blockDim.x * VEC) {
-        float gw[VEC], gb[VEC], o[VEC];
-        load_vec<T, VEC>(w + i, gw);
-        load_vec<T, VEC>(b + i, gb);
+    if constexpr (RESIDUAL) {
+        write_row<T, VEC>(sum_out, C, [&](int i0, auto& v) {
+            constexpr int N = sizeof(v) / sizeof(float);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) o[k] = (row[i + k] - mean) * rstd * gw[k] + gb[k];
-        store_vec<T, VEC>(out + i, o);
+            for (int k = 0; k < N; ++k) v[k] = row[i0 + k];
+        });
     }
+    write_row<T, VEC>(out, C, [&](int i0, auto& v) {
+        constexpr int N = sizeof(v) / sizeof(float);
+        float gw[N], gb[N];
+        load_any<T, N>(w + i0, gw);
+        load_any<T, N>(b + i0, gb);
+#pragma unroll
+        for (int k = 0; k < N; ++k) v[k] = (row[i0 + k] - mean) * rstd * gw[k] + gb[k];
+    });
 }

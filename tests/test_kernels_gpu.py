@@ -312,3 +312,21 @@ def test_no_kernel_spills_to_local_memory():
             if kern.local_size_bytes:
                 spilled[name] = (kern.local_size_bytes, kern.num_regs)
     assert not spilled, spilled
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_kernels_with_differently_aligned_arrays(dtype):
+    """x starts 1 element past an allocation, out does not: rows of the two arrays are
+    aligned differently, so the kernels must fall back to element-wide loads."""
+    rng = np.random.default_rng(9)
+    rows, cols = 37, 1024
+    base, baseh = rand(rng, (rows * cols + 1,), dtype)
+    x, xh = base[1:].reshape(rows, cols), baseh[1:].reshape(rows, cols)
+    w, wh = rand(rng, (cols,), dtype)
+    b, bh = rand(rng, (cols,), dtype)
+    out = poisoned((rows, cols), dtype)
+    K.layernorm(x, w, b, out=out)
+    check(out, ref.layernorm(xh, wh, bh), dtype)
+    out = poisoned((rows, cols), dtype)
+    K.softmax(x, scale=0.3, out=out)
+    check(out, ref.softmax(xh, scale=0.3), dtype)
