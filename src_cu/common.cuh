@@ -99,49 +99,105 @@ __device__ __forceinline__ RowSplit split_row(const T* row, int C) {
     return {head, n_vec, head + n_vec * VEC};
 }
 
-// Calls f(x_i, y_i, i) for every element i of two rows with the same alignment (y may be
-// null: then y_i = 0). Each thread keeps U vectors' loads in flight before using them.
+// One VEC-wide chunk as loaded, kept packed (4 registers for 16 bytes of any T) until used.
+template <typename T, int VEC> struct Packed {
+    uint4 raw;
+    __device__ __forceinline__ void load(const T* p) { raw = *reinterpret_cast<const uint4*>(p); }
+    __device__ __forceinline__ void unpack(float (&v)[VEC]) const {
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) v[k] = to_float(e[k]);
+    }
+};
+template <typename T> struct Packed<T, 1> {
+    T raw;
+    __device__ __forceinline__ void load(const T* p) { raw = *p; }
+    __device__ __forceinline__ void unpack(float (&v)[1]) const { v[0] = to_float(raw); }
+};
+
+// Calls f(a, b, i0) for every chunk of two rows with the same alignment: a and b are
+// float[VEC] for an aligned vector starting at element i0, float[1] for a head or tail
+// scalar (y may be null: then b is 0). Each thread has U chunks' loads in flight before
+// it uses the first.
 template <typename T, int VEC, int U, typename F>
 __device__ __forceinline__ void for_each_in_rows(const T* x, const T* y, int C, F&& f) {
     const RowSplit rs = split_row<T, VEC>(x, C);
-    for (int i = threadIdx.x; i < rs.head; i += blockDim.x) f(to_float(x[i]), y ? to_float(y[i]) : 0.0f, i);
-    for (int i = rs.tail + threadIdx.x; i < C; i += blockDim.x) f(to_float(x[i]), y ? to_float(y[i]) : 0.0f, i);
+    auto scalar = [&](int i) {
+        float a[1] = {to_float(x[i])}, b[1] = {y ? to_float(y[i]) : 0.0f};
+        f(a, b, i);
+    };
+    for (int i = threadIdx.x; i < rs.head; i += blockDim.x) scalar(i);
+    for (int i = rs.tail + threadIdx.x; i < C; i += blockDim.x) scalar(i);
     for (int base = 0; base < rs.n_vec; base += blockDim.x * U) {
-        float a[U][VEC], b[U][VEC];
+        Packed<T, VEC> pa[U], pb[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int j = base + u * blockDim.x + threadIdx.x;
             if (j < rs.n_vec) {
-                load_vec<T, VEC>(x + rs.head + j * VEC, a[u]);
-                if (y) load_vec<T, VEC>(y + rs.head + j * VEC, b[u]);
+                pa[u].load(x + rs.head + j * VEC);
+                if (y) pb[u].load(y + rs.head + j * VEC);
             }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int j = base + u * blockDim.x + threadIdx.x;
             if (j < rs.n_vec) {
+                float a[VEC], b[VEC];
+                pa[u].unpack(a);
+                if (y) {
+                    pb[u].unpack(b);
+                } else {
 #pragma unroll
-                for (int k = 0; k < VEC; ++k) f(a[u][k], y ? b[u][k] : 0.0f, rs.head + j * VEC + k);
+                    for (int k = 0; k < VEC; ++k) b[k] = 0.0f;
+                }
+                f(a, b, rs.head + j * VEC);
             }
         }
     }
 }
 
-// Writes a row: g(i0, v) fills v (a float[VEC] for an aligned vector, a float[1] for a
-// head or tail scalar) with the values of elements i0, i0 + 1, ...
+// A float32 copy of a row in shared memory, shifted by 0-3 floats so that the row's
+// aligned vectors land on 16-byte boundaries and move as float4 (no bank conflicts).
+struct SmemRow {
+    float* base;
+    __device__ __forceinline__ SmemRow(float* smem, int head) : base(smem + (4 - head % 4) % 4) {}
+    template <int N> __device__ __forceinline__ void put(int i0, const float (&v)[N]) {
+        if constexpr (N % 4 == 0) {
+#pragma unroll
+            for (int q = 0; q < N / 4; ++q)
+                reinterpret_cast<float4*>(base + i0)[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < N; ++k) base[i0 + k] = v[k];
+        }
+    }
+    template <int N> __device__ __forceinline__ void get(int i0, float (&v)[N]) const {
+        if constexpr (N % 4 == 0) {
+#pragma unroll
+            for (int q = 0; q < N / 4; ++q) {
+                const float4 f = reinterpret_cast<const float4*>(base + i0)[q];
+                v[4 * q] = f.x, v[4 * q + 1] = f.y, v[4 * q + 2] = f.z, v[4 * q + 3] = f.w;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < N; ++k) v[k] = base[i0 + k];
+        }
+    }
+    __device__ __forceinline__ float& operator[](int i) { return base[i]; }
+};
+
+// Writes a row: g(i0, v) fills v (float[VEC] for an aligned vector, float[1] for a head or
+// tail scalar) with the values of elements i0, i0 + 1, ...
 template <typename T, int VEC, typename G>
 __device__ __forceinline__ void write_row(T* out, int C, G&& g) {
     const RowSplit rs = split_row<T, VEC>(out, C);
-    for (int i = threadIdx.x; i < rs.head; i += blockDim.x) {
+    auto scalar = [&](int i) {
         float v[1];
         g(i, v);
         out[i] = from_float<T>(v[0]);
-    }
-    for (int i = rs.tail + threadIdx.x; i < C; i += blockDim.x) {
-        float v[1];
-        g(i, v);
-        out[i] = from_float<T>(v[0]);
-    }
+    };
+    for (int i = threadIdx.x; i < rs.head; i += blockDim.x) scalar(i);
+    for (int i = rs.tail + threadIdx.x; i < C; i += blockDim.x) scalar(i);
     for (int j = threadIdx.x; j < rs.n_vec; j += blockDim.x) {
         float v[VEC];
         const int i0 = rs.head + j * VEC;

@@ -22,9 +22,9 @@ constexpr int U = 4;  // vectors in flight per thread (the wrapper sizes blocks 
 }
 
 template <typename T, int VEC>
-__global__ void softmax_kernel(T* __restrict__ out, const T* __restrict__ x, int cols, int q_len,
-                               int causal, float scale) {
-    extern __shared__ float row[];  // cols floats
+__global__ void __launch_bounds__(1024)
+    softmax_kernel(T* __restrict__ out, const T* __restrict__ x, int cols, int q_len, int causal, float scale) {
+    extern __shared__ float smem[];  // cols + 3 floats
     __shared__ float scratch[32];
     const long long offset = static_cast<long long>(blockIdx.x) * cols;
     x += offset;
@@ -32,13 +32,19 @@ __global__ void softmax_kernel(T* __restrict__ out, const T* __restrict__ x, int
     int visible = cols;
     if (causal) visible = min(cols, max(0, static_cast<int>(blockIdx.x % q_len) + cols - q_len + 1));
     const float s2 = scale * LOG2E;  // work in the log2 domain: exp(a) = exp2(a log2 e)
+    SmemRow row(smem, split_row<T, VEC>(x, cols).head);
 
     float mx = -INFINITY;
-    for_each_in_rows<T, VEC, U>(x, nullptr, visible, [&](float v, float, int i) {
-        row[i] = v * s2;
-        mx = fmaxf(mx, v * s2);
+    for_each_in_rows<T, VEC, U>(x, nullptr, visible, [&](auto& v, auto&, int i0) {
+        constexpr int N = sizeof(v) / sizeof(float);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            v[k] *= s2;
+            mx = fmaxf(mx, v[k]);
+        }
+        row.put(i0, v);
     });
-    mx = block_max(mx, scratch);  // its barrier also publishes row[]
+    mx = block_max(mx, scratch);  // its barrier also publishes the row
     float sum = 0.0f;
     for (int i = threadIdx.x; i < visible; i += blockDim.x) {
         const float e = exp2f(row[i] - mx);  // one exponential per element
@@ -50,7 +56,8 @@ __global__ void softmax_kernel(T* __restrict__ out, const T* __restrict__ x, int
 
     write_row<T, VEC>(out, cols, [&](int i0, auto& v) {
         constexpr int N = sizeof(v) / sizeof(float);
+        row.get(i0, v);
 #pragma unroll
-        for (int k = 0; k < N; ++k) v[k] = i0 + k < visible ? row[i0 + k] * inv : 0.0f;
+        for (int k = 0; k < N; ++k) v[k] = i0 + k < visible ? v[k] * inv : 0.0f;
     });
 }
