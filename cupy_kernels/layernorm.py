@@ -15,29 +15,30 @@ from ._build import f32, i32
 _SRC = "layernorm.cu"
 
 
-def _name(c_type: str, vec: int, residual: bool) -> str:
-    return f"layernorm_kernel<{c_type}, {vec}, {'true' if residual else 'false'}>"
+def _name(c_type: str, vec: int, residual: bool, in_regs: bool) -> str:
+    return f"layernorm_kernel<{c_type}, {vec}, {str(residual).lower()}, {str(in_regs).lower()}>"
 
 
 _build.declare(
     _SRC,
     [
-        _name(c, v, r)
-        for c, r in itertools.product(_build.CTYPES.values(), (False, True))
+        _name(c, v, r, g)
+        for c, r, g in itertools.product(_build.CTYPES.values(), (False, True), (True, False))
         for v in _build.vec_widths(c)
     ],
 )
 
 
-_U = 4  # vectors in flight per thread (layernorm.cu)
+_U = 4  # vectors per thread (layernorm.cu)
 
 
 def _launch(out, sum_out, x, y, bias, weight, b, eps):
     C = x.shape[-1]
     rows = x.size // C
     vec = _checks.row_vec_width(x.dtype, out, sum_out, x, y)
-    kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec, y is not None))
-    smem = _build.row_smem(C, "x")  # the row as float32
+    in_regs = _build.cdiv(C, vec) <= 1024 * _U  # the row fits in the block's registers
+    kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec, y is not None, in_regs))
+    smem = 0 if in_regs else _build.row_smem(C, "x")
     _build.set_smem(kern, smem)
     if rows == 0:
         return

@@ -14,11 +14,13 @@ _SRC = "softmax.cu"
 _U = 4  # vectors in flight per thread (softmax.cu)
 
 
-def _name(c_type: str, vec: int) -> str:
-    return f"softmax_kernel<{c_type}, {vec}>"
+def _name(c_type: str, vec: int, in_regs: bool) -> str:
+    return f"softmax_kernel<{c_type}, {vec}, {str(in_regs).lower()}>"
 
 
-_build.declare(_SRC, [_name(c, v) for c in _build.CTYPES.values() for v in _build.vec_widths(c)])
+_build.declare(
+    _SRC, [_name(c, v, g) for c in _build.CTYPES.values() for v in _build.vec_widths(c) for g in (True, False)]
+)
 
 
 def softmax(x, *, scale: float = 1.0, causal: bool = False, out=None) -> cupy.ndarray:
@@ -36,8 +38,9 @@ def softmax(x, *, scale: float = 1.0, causal: bool = False, out=None) -> cupy.nd
         return out
     q_len = x.shape[-2] if causal else 1
     vec = _checks.row_vec_width(x.dtype, x, out)
-    kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec))
-    smem = _build.row_smem(cols, "x")  # the row as float32
+    in_regs = _build.cdiv(cols, vec) <= 1024 * _U  # the row fits in the block's registers
+    kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec, in_regs))
+    smem = 0 if in_regs else _build.row_smem(cols, "x")
     _build.set_smem(kern, smem)
     kern((x.size // cols,), (_build.row_threads(cols, vec, _U),),
          (out, x, i32(cols), i32(q_len), i32(int(causal)), f32(scale)), shared_mem=smem)

@@ -4,33 +4,34 @@
 //   residual:  s = x + y (+ bias);  sum_out = s;  out = layernorm(s)
 //              (the GPT-2 block: residual stream + projection output + projection bias)
 //
-// One block per row, its size chosen by the wrapper so that each thread has about U
-// 16-byte vectors of the row: all U loads are issued before the first is used (enough
-// bytes in flight to cover memory latency). The row is kept in shared memory as float32
-// (float4 accesses, conflict-free); mean and variance come from two block reductions over
-// that copy (two-pass variance: no cancellation), then the output is written from it.
-// Any length: the row's aligned middle moves as vectors, its unaligned head and tail as
-// scalars (common.cuh).
-// Bytes: read C (x2 for residual) + w + b, write C (x2 for residual) per row; FLOPs
-// negligible -> bandwidth bound. In the residual form the sum is rounded to T before it
-// is normalized, as a framework that stores the residual stream in T would do.
+// One block per row, sized by the wrapper so that each thread owns about U = 4 16-byte
+// vectors of the row, all loaded before the first is used (bytes in flight to cover the
+// memory latency). The row stays on chip (row.cuh): in registers when it fits in
+// blockDim * U vectors (rows up to 16384 float32 / 32768 half elements), else in shared
+// memory. Mean and variance come from two block reductions over that copy (two-pass
+// variance: no cancellation), then the output is written from it. Any length: the row's
+// aligned middle moves as vectors, its unaligned head and tail as scalars.
+// Bytes: read C (2 C for residual) + w + b, write C (2 C for residual) per row; ~10
+// instructions per element -> bandwidth bound. In the residual form the sum is rounded
+// to T before it is normalized, as a framework storing the residual stream in T would do.
 //
-// Specializations: T in {float, __half, __nv_bfloat16} x VEC in {1, 16/sizeof(T)} x RESIDUAL.
+// Specializations: T in {float, __half, __nv_bfloat16} x VEC in {1, 16/sizeof(T)} x
+// RESIDUAL x IN_REGS.
 // Wrapper: cupy_kernels/layernorm.py   Tests: tests/test_kernels_gpu.py
-#include "common.cuh"
+#include "row.cuh"
 
 using namespace g2c;
 
 namespace {
-constexpr int U = 4;  // vectors in flight per thread (the wrapper sizes blocks for it)
+constexpr int U = 4;  // vectors per thread (the wrapper sizes blocks for it)
 }
 
-template <typename T, int VEC, bool RESIDUAL>
+template <typename T, int VEC, bool RESIDUAL, bool IN_REGS>
 __global__ void __launch_bounds__(1024)
     layernorm_kernel(T* __restrict__ out, T* sum_out,  // sum_out may alias x
                      const T* x, const T* __restrict__ y, const T* __restrict__ bias,
                      const T* __restrict__ w, const T* __restrict__ b, int C, float eps) {
-    extern __shared__ float smem[];  // C + 3 floats
+    extern __shared__ float smem[];  // C + 3 floats unless IN_REGS
     __shared__ float scratch[32];
     const long long offset = static_cast<long long>(blockIdx.x) * C;
     x += offset;
@@ -39,10 +40,10 @@ __global__ void __launch_bounds__(1024)
         y += offset;
         sum_out += offset;
     }
-    SmemRow row(smem, split_row<T, VEC>(x, C).head);
+    Row<T, VEC, U, IN_REGS> row(smem);
 
     float sum = 0.0f;
-    for_each_in_rows<T, VEC, U>(x, RESIDUAL ? y : nullptr, C, [&](auto& a, auto& c, int i0) {
+    row.fill(x, RESIDUAL ? y : nullptr, C, [&](auto& a, auto& c, int i0) {
         constexpr int N = sizeof(a) / sizeof(float);
         if constexpr (RESIDUAL) {
             float pb[N];
@@ -54,28 +55,34 @@ __global__ void __launch_bounds__(1024)
             }
 #pragma unroll
             for (int k = 0; k < N; ++k) a[k] = to_float(from_float<T>(a[k] + c[k] + pb[k]));
+            if constexpr (N == 1) {
+                sum_out[i0] = from_float<T>(a[0]);
+            } else {
+                store_vec<T, N>(sum_out + i0, a);  // same alignment as x (checked by the wrapper)
+            }
         }
 #pragma unroll
         for (int k = 0; k < N; ++k) sum += a[k];
-        row.put(i0, a);
     });
-    const float mean = block_sum(sum, scratch) / C;  // its barrier also publishes the row
+    const float mean = block_sum(sum, scratch) / C;
 
     float sq = 0.0f;
-    for (int i = threadIdx.x; i < C; i += blockDim.x) {
-        const float d = row[i] - mean;
-        sq += d * d;
-    }
+    row.update([&](auto& a, int) {
+        constexpr int N = sizeof(a) / sizeof(float);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            a[k] -= mean;
+            sq += a[k] * a[k];
+        }
+    });
     const float rstd = rsqrtf(block_sum(sq, scratch) / C + eps);
 
-    if constexpr (RESIDUAL) write_row<T, VEC>(sum_out, C, [&](int i0, auto& v) { row.get(i0, v); });
-    write_row<T, VEC>(out, C, [&](int i0, auto& v) {
-        constexpr int N = sizeof(v) / sizeof(float);
+    row.write(out, [&](auto& a, int i0, auto& o) {
+        constexpr int N = sizeof(a) / sizeof(float);
         float gw[N], gb[N];
-        row.get(i0, v);
         load_any<T, N>(w + i0, gw);
         load_any<T, N>(b + i0, gb);
 #pragma unroll
-        for (int k = 0; k < N; ++k) v[k] = (v[k] - mean) * rstd * gw[k] + gb[k];
+        for (int k = 0; k < N; ++k) o[k] = a[k] * rstd * gw[k] + gb[k];
     });
 }
