@@ -15,8 +15,11 @@ from ._build import f32, i32
 _SRC = "layernorm.cu"
 
 
-def _name(c_type: str, vec: int, residual: bool, in_regs: bool) -> str:
-    return f"layernorm_kernel<{c_type}, {vec}, {str(residual).lower()}, {str(in_regs).lower()}>"
+_U = 4  # vectors per thread, loaded together (benchmarks/row_tuning.py)
+
+
+def _name(c_type: str, vec: int, residual: bool, in_regs: bool, u: int = _U) -> str:
+    return f"layernorm_kernel<{c_type}, {vec}, {str(residual).lower()}, {str(in_regs).lower()}, {u}>"
 
 
 _build.declare(
@@ -29,15 +32,14 @@ _build.declare(
 )
 
 
-_U = 4  # vectors per thread (layernorm.cu)
-
-
-def _launch(out, sum_out, x, y, bias, weight, b, eps):
+def _launch(out, sum_out, x, y, bias, weight, b, eps, u: int = _U, in_regs: bool | None = None):
+    """``u`` / ``in_regs`` override the defaults for benchmarks/row_tuning.py."""
     C = x.shape[-1]
     rows = x.size // C
     vec = _checks.row_vec_width(x.dtype, out, sum_out, x, y)
-    in_regs = _build.cdiv(C, vec) <= 1024 * _U  # the row fits in the block's registers
-    kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec, y is not None, in_regs))
+    if in_regs is None:
+        in_regs = _build.cdiv(C, vec) <= 1024 * u  # the row fits in the block's registers
+    kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec, y is not None, in_regs, u))
     smem = 0 if in_regs else _build.row_smem(C, "x")
     _build.set_smem(kern, smem)
     if rows == 0:
@@ -45,7 +47,7 @@ def _launch(out, sum_out, x, y, bias, weight, b, eps):
     null = 0
     kern(
         (rows,),
-        (_build.row_threads(C, vec, _U),),
+        (_build.row_threads(C, vec, u),),
         (out, null if sum_out is None else sum_out, x, null if y is None else y,
          null if bias is None else bias, weight, b, i32(C), f32(eps)),
         shared_mem=smem,

@@ -16,17 +16,14 @@
 // to T before it is normalized, as a framework storing the residual stream in T would do.
 //
 // Specializations: T in {float, __half, __nv_bfloat16} x VEC in {1, 16/sizeof(T)} x
-// RESIDUAL x IN_REGS.
+// RESIDUAL x IN_REGS, U = 4 (benchmarks/row_tuning.py measures the alternatives).
 // Wrapper: cupy_kernels/layernorm.py   Tests: tests/test_kernels_gpu.py
 #include "row.cuh"
 
 using namespace g2c;
 
-namespace {
-constexpr int U = 4;  // vectors per thread (the wrapper sizes blocks for it)
-}
-
-template <typename T, int VEC, bool RESIDUAL, bool IN_REGS>
+// U: vectors per thread, loaded together (the wrapper sizes blocks for it).
+template <typename T, int VEC, bool RESIDUAL, bool IN_REGS, int U>
 __global__ void __launch_bounds__(1024)
     layernorm_kernel(T* __restrict__ out, T* sum_out,  // sum_out may alias x
                      const T* x, const T* __restrict__ y, const T* __restrict__ bias,
@@ -40,11 +37,14 @@ __global__ void __launch_bounds__(1024)
         y += offset;
         sum_out += offset;
     }
-    Row<T, VEC, U, IN_REGS> row(smem);
+    // a shared-memory residual row keeps x and y loads in flight: half as many of each
+    Row<T, VEC, (RESIDUAL && !IN_REGS) ? U / 2 : U, IN_REGS> row(smem);
 
     float sum = 0.0f;
     row.fill(x, RESIDUAL ? y : nullptr, C, [&](auto& a, auto& c, int i0) {
         constexpr int N = sizeof(a) / sizeof(float);
+        prefetch_l1(w + i0);  // needed at the end: start their trip from L2 now
+        prefetch_l1(b + i0);
         if constexpr (RESIDUAL) {
             float pb[N];
             if (bias) {

@@ -13,17 +13,15 @@
 // Any length: aligned middle as vectors, head and tail as scalars.
 // Bytes: 1 read + 1 write of the row.
 //
-// Specializations: T in {float, __half, __nv_bfloat16} x VEC in {1, 16/sizeof(T)} x IN_REGS.
+// Specializations: T in {float, __half, __nv_bfloat16} x VEC in {1, 16/sizeof(T)} x IN_REGS,
+// U = 4 (benchmarks/row_tuning.py measures the alternatives).
 // Wrapper: cupy_kernels/softmax.py   Tests: tests/test_kernels_gpu.py
 #include "row.cuh"
 
 using namespace g2c;
 
-namespace {
-constexpr int U = 4;  // vectors in flight per thread (the wrapper sizes blocks for it)
-}
-
-template <typename T, int VEC, bool IN_REGS>
+// U: vectors per thread, loaded together (the wrapper sizes blocks for it).
+template <typename T, int VEC, bool IN_REGS, int U>
 __global__ void __launch_bounds__(1024)
     softmax_kernel(T* __restrict__ out, const T* __restrict__ x, int cols, int q_len, int causal, float scale) {
     extern __shared__ float smem[];  // cols + 3 floats unless IN_REGS
