@@ -17,6 +17,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -185,11 +186,12 @@ def recording():
         _plan = None
 
 
-def compile_for_arch(source: str, arch: str) -> dict[str, str]:
+def compile_for_arch(source: str, arch: str) -> dict[str, dict]:
     """Compile every declared specialization of ``source`` for ``arch`` without a GPU.
 
-    Returns name expression -> lowered (mangled) name; raises RuntimeError with the
-    NVRTC log on failure.
+    Returns, per name expression, its lowered (mangled) name and ptxas's resource report:
+    ``registers``, ``stack`` (stack frame bytes) and ``spills`` (spill store bytes).
+    Raises RuntimeError with the NVRTC log on failure.
     """
     from cupy.cuda import nvrtc
 
@@ -199,13 +201,22 @@ def compile_for_arch(source: str, arch: str) -> dict[str, str]:
         for name in names:
             nvrtc.addNameExpression(prog, name)
         try:
-            nvrtc.compileProgram(prog, [*options(), f"-arch={arch}"])
+            nvrtc.compileProgram(prog, [*options(), f"-arch={arch}", "--ptxas-options=-v"])
         except nvrtc.NVRTCError as err:
             raise RuntimeError(f"{source} for {arch}:\n{nvrtc.getProgramLog(prog)}") from err
-        lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
         if not nvrtc.getCUBIN(prog):
             raise RuntimeError(f"{source} for {arch}: NVRTC produced no cubin")
-        return lowered
+        by_lowered = {nvrtc.getLoweredName(prog, name): name for name in names}
+        report = {name: {"lowered": lowered} for lowered, name in by_lowered.items()}
+        current = None
+        for line in nvrtc.getProgramLog(prog).splitlines():
+            if m := re.search(r"Compiling entry function '(\S+)'", line):
+                current = report.get(by_lowered.get(m.group(1)))
+            elif current is not None and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", line)):
+                current["stack"], current["spills"] = int(m.group(1)), int(m.group(2))
+            elif current is not None and (m := re.search(r"Used (\d+) registers", line)):
+                current["registers"] = int(m.group(1))
+        return report
     finally:
         nvrtc.destroyProgram(prog)
 
@@ -266,6 +277,6 @@ def vec_widths(c_type: str) -> tuple[int, int]:
     return (1, 4 if c_type == "float" else 8)
 
 
-def row_threads(cols: int, vec: int, per_thread: int = 1) -> int:
-    """Threads for a one-block-per-row kernel: ``per_thread`` VEC-wide chunks each, 32 to 1024."""
-    return min(1024, max(32, 32 * cdiv(cdiv(cols, vec * per_thread), 32)))
+def row_threads(cols: int, vec: int, per_thread: int = 1, most: int = 1024) -> int:
+    """Threads for a one-block-per-row kernel: ``per_thread`` VEC-wide chunks each, 32 to ``most``."""
+    return min(most, max(32, 32 * cdiv(cdiv(cols, vec * per_thread), 32)))

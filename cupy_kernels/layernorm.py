@@ -16,6 +16,7 @@ _SRC = "layernorm.cu"
 
 
 _U = 4  # vectors per thread, loaded together (benchmarks/row_tuning.py)
+_U_RESIDUAL = 2  # of x and of y: the same bytes in flight; 4 of each spills at 1024 threads
 
 
 def _name(c_type: str, vec: int, residual: bool, in_regs: bool, u: int = _U) -> str:
@@ -25,15 +26,17 @@ def _name(c_type: str, vec: int, residual: bool, in_regs: bool, u: int = _U) -> 
 _build.declare(
     _SRC,
     [
-        _name(c, v, r, g)
+        _name(c, v, r, g, _U_RESIDUAL if r else _U)
         for c, r, g in itertools.product(_build.CTYPES.values(), (False, True), (True, False))
         for v in _build.vec_widths(c)
     ],
 )
 
 
-def _launch(out, sum_out, x, y, bias, weight, b, eps, u: int = _U, in_regs: bool | None = None):
+def _launch(out, sum_out, x, y, bias, weight, b, eps, u: int | None = None, in_regs: bool | None = None):
     """``u`` / ``in_regs`` override the defaults for benchmarks/row_tuning.py."""
+    if u is None:
+        u = _U if y is None else _U_RESIDUAL
     C = x.shape[-1]
     rows = x.size // C
     vec = _checks.row_vec_width(x.dtype, out, sum_out, x, y)
@@ -47,7 +50,7 @@ def _launch(out, sum_out, x, y, bias, weight, b, eps, u: int = _U, in_regs: bool
     null = 0
     kern(
         (rows,),
-        (_build.row_threads(C, vec, u),),
+        (_build.row_threads(C, vec, u, 1024 if in_regs else 512),),
         (out, null if sum_out is None else sum_out, x, null if y is None else y,
          null if bias is None else bias, weight, b, i32(C), f32(eps)),
         shared_mem=smem,

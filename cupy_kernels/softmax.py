@@ -51,5 +51,5 @@ def _launch(out, x, q_len: int, causal: bool, scale: float, u: int = _U, in_regs
     kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec, in_regs, u))
     smem = 0 if in_regs else _build.row_smem(cols, "x")
     _build.set_smem(kern, smem)
-    kern((x.size // cols,), (_build.row_threads(cols, vec, u),),
+    kern((x.size // cols,), (_build.row_threads(cols, vec, u, 1024 if in_regs else 512),),
          (out, x, i32(cols), i32(q_len), i32(int(causal)), f32(scale)), shared_mem=smem)

@@ -16,7 +16,8 @@
 // to T before it is normalized, as a framework storing the residual stream in T would do.
 //
 // Specializations: T in {float, __half, __nv_bfloat16} x VEC in {1, 16/sizeof(T)} x
-// RESIDUAL x IN_REGS, U = 4 (benchmarks/row_tuning.py measures the alternatives).
+// RESIDUAL x IN_REGS, U = 4 (plain) or 2 (residual: x and y in flight, the same bytes;
+// 4 of each spills at 1024 threads); benchmarks/row_tuning.py measures the alternatives.
 // Wrapper: cupy_kernels/layernorm.py   Tests: tests/test_kernels_gpu.py
 #include "row.cuh"
 
@@ -24,7 +25,7 @@ using namespace g2c;
 
 // U: vectors per thread, loaded together (the wrapper sizes blocks for it).
 template <typename T, int VEC, bool RESIDUAL, bool IN_REGS, int U>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(IN_REGS ? 1024 : 512)  // a shared-memory row loops: 512 threads do
     layernorm_kernel(T* __restrict__ out, T* sum_out,  // sum_out may alias x
                      const T* x, const T* __restrict__ y, const T* __restrict__ bias,
                      const T* __restrict__ w, const T* __restrict__ b, int C, float eps) {
@@ -37,8 +38,7 @@ __global__ void __launch_bounds__(1024)
         y += offset;
         sum_out += offset;
     }
-    // a shared-memory residual row keeps x and y loads in flight: half as many of each
-    Row<T, VEC, (RESIDUAL && !IN_REGS) ? U / 2 : U, IN_REGS> row(smem);
+    Row<T, VEC, U, IN_REGS> row(smem);
 
     float sum = 0.0f;
     row.fill(x, RESIDUAL ? y : nullptr, C, [&](auto& a, auto& c, int i0) {

@@ -224,7 +224,7 @@ struct SharedRow {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int j = first + u * blockDim.x;
-                if (j >= rs.n_vec) break;
+                if (j >= rs.n_vec) continue;
                 float a[VEC], b[VEC];
                 pa[u].unpack(a);
                 if (y) {

@@ -311,7 +311,7 @@ def test_no_kernel_spills_to_local_memory():
             kern = _build.kernel(source, name)
             if kern.local_size_bytes:
                 spilled[name] = (kern.local_size_bytes, kern.num_regs)
-    assert not spilled, spilled
+    assert not spilled, "\n".join(f"{n}: {b} local bytes, {r} registers" for n, (b, r) in spilled.items())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
