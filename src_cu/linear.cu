@@ -37,6 +37,7 @@ __global__ void __launch_bounds__(WARPS * 32)
         float acc[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
+#pragma unroll 4  // W loads in flight; ptxas's default unrolling spilled on sm_80-89
         for (int k = lane * VEC; k < K; k += 32 * VEC) {
             float wv[VEC];
             load_vec<T, VEC>(w + k, wv);

@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(THREADS) argmax_kernel(int* __restrict__ out, 
 }
 
 template <typename T>
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(THREADS, 1)  // (without the 1, ptxas used 32 registers and spilled on sm_80)
     sample_kernel(int* __restrict__ out, const T* __restrict__ logits, int V, float inv_temp, int top_k,
                   float top_p, unsigned seed_lo, unsigned seed_hi, unsigned long long* __restrict__ offsets) {
     __shared__ float scratch[32];
