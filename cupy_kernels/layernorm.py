@@ -15,8 +15,11 @@ from ._build import f32, i32
 _SRC = "layernorm.cu"
 
 
-_U = 4  # vectors per thread, loaded together (benchmarks/row_tuning.py)
-_U_RESIDUAL = 2  # of x and of y: the same bytes in flight; 4 of each spills at 1024 threads
+# Vectors per thread, loaded together (benchmarks/row_tuning.py, H200): 4 when there are
+# rows enough to fill the GPU; with fewer rows than SMs the time is latency, and 2 spreads
+# each row over twice the threads. The residual form loads 2 each of x and y (the same
+# bytes in flight; 4 of each spilled at 1024 threads).
+_U, _U_FEW_ROWS, _U_RESIDUAL = 4, 2, 2
 
 
 def _name(c_type: str, vec: int, residual: bool, in_regs: bool, u: int = _U) -> str:
@@ -26,22 +29,26 @@ def _name(c_type: str, vec: int, residual: bool, in_regs: bool, u: int = _U) -> 
 _build.declare(
     _SRC,
     [
-        _name(c, v, r, g, _U_RESIDUAL if r else _U)
+        _name(c, v, r, g, u)
         for c, r, g in itertools.product(_build.CTYPES.values(), (False, True), (True, False))
         for v in _build.vec_widths(c)
+        for u in ((_U_RESIDUAL,) if r else (_U, _U_FEW_ROWS) if g else (_U,))
     ],
 )
 
 
 def _launch(out, sum_out, x, y, bias, weight, b, eps, u: int | None = None, in_regs: bool | None = None):
     """``u`` / ``in_regs`` override the defaults for benchmarks/row_tuning.py."""
-    if u is None:
-        u = _U if y is None else _U_RESIDUAL
     C = x.shape[-1]
     rows = x.size // C
     vec = _checks.row_vec_width(x.dtype, out, sum_out, x, y)
+    chunks = _build.cdiv(C, vec)
+    if u is None:
+        u = _U_RESIDUAL if y is not None else _U_FEW_ROWS if rows < _build.sm_count(x.device.id) else _U
+        if y is None and chunks > 1024 * u:
+            u = _U
     if in_regs is None:
-        in_regs = _build.cdiv(C, vec) <= 1024 * u  # the row fits in the block's registers
+        in_regs = chunks <= 1024 * u  # the row fits in the block's registers
     kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec, y is not None, in_regs, u))
     smem = 0 if in_regs else _build.row_smem(C, "x")
     _build.set_smem(kern, smem)

@@ -11,7 +11,9 @@ from . import _build, _checks
 from ._build import f32, i32
 
 _SRC = "softmax.cu"
-_U = 4  # vectors per thread, loaded together (benchmarks/row_tuning.py)
+# Vectors per thread, loaded together (benchmarks/row_tuning.py, H200): 4, or 2 when there
+# are fewer rows than SMs (latency bound: each row over twice the threads).
+_U, _U_FEW_ROWS = 4, 2
 
 
 def _name(c_type: str, vec: int, in_regs: bool, u: int = _U) -> str:
@@ -19,7 +21,9 @@ def _name(c_type: str, vec: int, in_regs: bool, u: int = _U) -> str:
 
 
 _build.declare(
-    _SRC, [_name(c, v, g) for c in _build.CTYPES.values() for v in _build.vec_widths(c) for g in (True, False)]
+    _SRC,
+    [_name(c, v, g, u) for c in _build.CTYPES.values() for v in _build.vec_widths(c) for g in (True, False)
+     for u in ((_U, _U_FEW_ROWS) if g else (_U,))],
 )
 
 
@@ -40,14 +44,17 @@ def softmax(x, *, scale: float = 1.0, causal: bool = False, out=None) -> cupy.nd
     return out
 
 
-def _launch(out, x, q_len: int, causal: bool, scale: float, u: int = _U, in_regs: bool | None = None):
+def _launch(out, x, q_len: int, causal: bool, scale: float, u: int | None = None, in_regs: bool | None = None):
     """``u`` / ``in_regs`` override the defaults for benchmarks/row_tuning.py."""
     cols = x.shape[-1]
     vec = _checks.row_vec_width(x.dtype, x, out)
     if in_regs is None:
         # float32 rows stay in shared memory: measured on an H200, the register version
-        # was slower there (16384 x 4096: 149.0 us vs 133.7 us; 65536 x 768: 102.6 vs 99.2)
-        in_regs = x.dtype.itemsize < 4 and _build.cdiv(cols, vec) <= 1024 * u
+        # was slower there (16384 x 4096: 148.9 us vs 133.3 us; 65536 x 768: 102.5 vs 98.7)
+        in_regs = x.dtype.itemsize < 4 and _build.cdiv(cols, vec) <= 1024 * _U
+    if u is None:
+        few_rows = x.size // cols < _build.sm_count(x.device.id)
+        u = _U_FEW_ROWS if in_regs and few_rows and _build.cdiv(cols, vec) <= 1024 * _U_FEW_ROWS else _U
     kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec, in_regs, u))
     smem = 0 if in_regs else _build.row_smem(cols, "x")
     _build.set_smem(kern, smem)

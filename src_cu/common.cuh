@@ -79,11 +79,6 @@ __device__ __forceinline__ void store_vec(T* p, const float (&in)[VEC]) {
     }
 }
 
-// Asks for the 128-byte line holding p to be brought into L1, without waiting for it.
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
-}
-
 // ---------------------------------------------------------------------------------------
 // warp and block reductions (float32)
 // ---------------------------------------------------------------------------------------

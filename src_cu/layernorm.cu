@@ -43,8 +43,6 @@ __global__ void __launch_bounds__(IN_REGS ? 1024 : 512)  // a shared-memory row 
     float sum = 0.0f;
     row.fill(x, RESIDUAL ? y : nullptr, C, [&](auto& a, auto& c, int i0) {
         constexpr int N = sizeof(a) / sizeof(float);
-        prefetch_l1(w + i0);  // needed at the end: start their trip from L2 now
-        prefetch_l1(b + i0);
         if constexpr (RESIDUAL) {
             float pb[N];
             if (bias) {
