@@ -124,46 +124,6 @@ __device__ __forceinline__ float block_max(float x, float* scratch) {
 
 constexpr float LOG2E = 1.4426950408889634f;
 
-// Count, mean and sum of squared deviations of a set of values; two sets merge exactly
-// (Chan, Golub and LeVeque), so a block gets its variance from one reduction.
-struct Moments {
-    float n, mean, m2;
-};
-
-__device__ __forceinline__ Moments merge(Moments a, Moments b) {
-    const float n = a.n + b.n;
-    if (n == 0.0f) return a;
-    const float d = b.mean - a.mean, fb = b.n / n;
-    return {n, a.mean + d * fb, a.m2 + b.m2 + d * d * a.n * fb};
-}
-
-__device__ __forceinline__ Moments warp_moments(Moments x) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const Moments y{__shfl_xor_sync(FULL_MASK, x.n, o), __shfl_xor_sync(FULL_MASK, x.mean, o),
-                        __shfl_xor_sync(FULL_MASK, x.m2, o)};
-        x = merge(x, y);
-    }
-    return x;
-}
-
-// Whole-block merge; every thread gets the result. `scratch` holds 96 floats.
-__device__ __forceinline__ Moments block_moments(Moments x, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n_warps = (blockDim.x + 31) >> 5;
-    x = warp_moments(x);
-    if (n_warps == 1) return x;
-    __syncthreads();
-    if (lane == 0) {
-        scratch[warp] = x.n;
-        scratch[32 + warp] = x.mean;
-        scratch[64 + warp] = x.m2;
-    }
-    __syncthreads();
-    x = lane < n_warps ? Moments{scratch[lane], scratch[32 + lane], scratch[64 + lane]} : Moments{0.0f, 0.0f, 0.0f};
-    return warp_moments(x);
-}
-
 // GELU, tanh form (GPT-2's "gelu_new"): 0.5 v (1 + tanh(u)), u = sqrt(2/pi) (v + 0.044715 v^3),
 // computed as v / (1 + exp(-2u)) (the same function: 0.5 (1 + tanh(u)) = sigmoid(2u)) with
 // the hardware exponential: ~8 instructions instead of tanhf's ~25, which at half precision

@@ -8,9 +8,8 @@
 // vectors of the row, all loaded before the first is used (bytes in flight to cover the
 // memory latency). The row stays on chip (row.cuh): in registers when it fits in
 // blockDim * U vectors (rows up to 16384 float32 / 32768 half elements), else in shared
-// memory. Each thread takes the mean and squared deviations of its own values (two passes
-// over registers: no cancellation); one block reduction merges them (Chan et al.); the
-// output is written from the kept copy. Any length: the row's
+// memory. Mean and variance come from two block reductions over that copy (two-pass
+// variance: no cancellation), then the output is written from it. Any length: the row's
 // aligned middle moves as vectors, its unaligned head and tail as scalars.
 // Bytes: read C (2 C for residual) + w + b, write C (2 C for residual) per row; ~10
 // instructions per element -> bandwidth bound. In the residual form the sum is rounded
@@ -26,12 +25,12 @@ using namespace g2c;
 
 // U: vectors per thread, loaded together (the wrapper sizes blocks for it).
 template <typename T, int VEC, bool RESIDUAL, bool IN_REGS, int U>
-__global__ void __launch_bounds__(IN_REGS ? 1024 : 512, 1)  // shared-memory rows loop: 512 threads do
+__global__ void __launch_bounds__(IN_REGS ? 1024 : 512)  // a shared-memory row loops: 512 threads do
     layernorm_kernel(T* __restrict__ out, T* sum_out,  // sum_out may alias x
                      const T* x, const T* __restrict__ y, const T* __restrict__ bias,
                      const T* __restrict__ w, const T* __restrict__ b, int C, float eps) {
     extern __shared__ float smem[];  // C + 3 floats unless IN_REGS
-    __shared__ float scratch[96];
+    __shared__ float scratch[32];
     const long long offset = static_cast<long long>(blockIdx.x) * C;
     x += offset;
     out += offset;
@@ -42,7 +41,6 @@ __global__ void __launch_bounds__(IN_REGS ? 1024 : 512, 1)  // shared-memory row
     Row<T, VEC, U, IN_REGS> row(smem);
 
     float sum = 0.0f;
-    int count = 0;  // elements this thread holds
     row.fill(x, RESIDUAL ? y : nullptr, C, [&](auto& a, auto& c, int i0) {
         constexpr int N = sizeof(a) / sizeof(float);
         if constexpr (RESIDUAL) {
@@ -63,19 +61,19 @@ __global__ void __launch_bounds__(IN_REGS ? 1024 : 512, 1)  // shared-memory row
         }
 #pragma unroll
         for (int k = 0; k < N; ++k) sum += a[k];
-        count += N;
     });
-    // mean and squared deviations of this thread's values (two passes over registers: no
-    // cancellation), then one block-wide merge of (count, mean, M2)
-    const float own_mean = count ? sum / count : 0.0f;
-    float own_m2 = 0.0f;
-    row.visit([&](const auto& a, int) {
+    const float mean = block_sum(sum, scratch) / C;
+
+    float sq = 0.0f;
+    row.update([&](auto& a, int) {
         constexpr int N = sizeof(a) / sizeof(float);
 #pragma unroll
-        for (int k = 0; k < N; ++k) own_m2 += (a[k] - own_mean) * (a[k] - own_mean);
+        for (int k = 0; k < N; ++k) {
+            a[k] -= mean;
+            sq += a[k] * a[k];
+        }
     });
-    const Moments m = block_moments({static_cast<float>(count), own_mean, own_m2}, scratch);
-    const float mean = m.mean, rstd = rsqrtf(m.m2 / C + eps);
+    const float rstd = rsqrtf(block_sum(sq, scratch) / C + eps);
 
     row.write(out, [&](auto& a, int i0, auto& o) {
         constexpr int N = sizeof(a) / sizeof(float);
@@ -83,6 +81,6 @@ __global__ void __launch_bounds__(IN_REGS ? 1024 : 512, 1)  // shared-memory row
         load_any<T, N>(w + i0, gw);
         load_any<T, N>(b + i0, gb);
 #pragma unroll
-        for (int k = 0; k < N; ++k) o[k] = (a[k] - mean) * rstd * gw[k] + gb[k];
+        for (int k = 0; k < N; ++k) o[k] = a[k] * rstd * gw[k] + gb[k];
     });
 }

@@ -76,7 +76,6 @@ __device__ __forceinline__ void owned_chunks(const RowSplit& rs, int C, F&& f) {
 
 // Row in registers. fill(x, y, C, f): f(a, b, i0) turns the loaded chunk a (and b from
 // y, or zeros) into the value kept; update(g): g(a, i0) may change the kept chunk;
-// visit(g): g(a, i0) reads it;
 // write(out, g): g(a, i0, o) computes the chunk o written to out. a, b, o are float[VEC]
 // for vectors and float[1] for scalars.
 template <typename T, int VEC, int U>
@@ -137,11 +136,6 @@ struct RegRow {
             for (int u = 0; u < U; ++u)
                 if (u == slot) g(v[u], i0);
         });
-    }
-
-    template <typename G>
-    __device__ __forceinline__ void visit(G&& g) {
-        update([&](auto& a, int i0) { g(a, i0); });  // registers: nothing to write back
     }
 
     template <typename G>
@@ -258,21 +252,6 @@ struct SharedRow {
                 get(i0, a);
                 g(a, i0);
                 put(i0, a);
-            }
-        });
-    }
-
-    template <typename G>
-    __device__ __forceinline__ void visit(G&& g) {
-        chunks([&](int i0, int n) {
-            if (n == 1) {
-                float a[1];
-                get(i0, a);
-                g(a, i0);
-            } else {
-                float a[VEC];
-                get(i0, a);
-                g(a, i0);
             }
         });
     }

@@ -22,7 +22,7 @@ using namespace g2c;
 
 // U: vectors per thread, loaded together (the wrapper sizes blocks for it).
 template <typename T, int VEC, bool IN_REGS, int U>
-__global__ void __launch_bounds__(IN_REGS ? 1024 : 512, 1)  // shared-memory rows loop: 512 threads do
+__global__ void __launch_bounds__(IN_REGS ? 1024 : 512)  // a shared-memory row loops: 512 threads do
     softmax_kernel(T* __restrict__ out, const T* __restrict__ x, int cols, int q_len, int causal, float scale) {
     extern __shared__ float smem[];  // cols + 3 floats unless IN_REGS
     __shared__ float scratch[32];
