@@ -14,7 +14,7 @@ from ._build import i32
 
 _SRC = "gelu.cu"
 _THREADS = 256
-_WAVES = 16  # blocks per SM to aim for
+_WAVES = 16  # blocks per SM to aim for (not tuned yet)
 
 
 def _name(c_type: str, vec: int, gelu: bool) -> str:

@@ -15,10 +15,11 @@ from ._build import f32, i32
 _SRC = "layernorm.cu"
 
 
-# Vectors per thread, loaded together (benchmarks/row_tuning.py, H200): 4 when there are
-# rows enough to fill the GPU; with fewer rows than SMs the time is latency, and 2 spreads
-# each row over twice the threads. The residual form loads 2 each of x and y (the same
-# bytes in flight; 4 of each spilled at 1024 threads).
+# Vectors per thread, loaded together (benchmarks/results/row_tuning-h200.json): 4 when
+# there are rows enough to fill the GPU (float16 16384 x 4096: 74.9 us; 2: 95.4 us; 8:
+# 108.1 us); with fewer rows than SMs the time is latency, and 2 spreads each row over
+# twice the threads (float16 8 x 1024: 4.93 us vs 6.08 us with 4). The residual form
+# loads 2 each of x and y (the same bytes in flight; 4 of each spilled at 1024 threads).
 _U, _U_FEW_ROWS, _U_RESIDUAL = 4, 2, 2
 
 

@@ -11,8 +11,9 @@ from . import _build, _checks
 from ._build import f32, i32
 
 _SRC = "softmax.cu"
-# Vectors per thread, loaded together (benchmarks/row_tuning.py, H200): 4, or 2 when there
-# are fewer rows than SMs (latency bound: each row over twice the threads).
+# Vectors per thread, loaded together: 4, or 2 when there are fewer rows than SMs (latency
+# bound: each row over twice the threads). results/row_tuning-h200.json, float32 8 x 1024:
+# 4.64 us with 2, 5.14 us with 4.
 _U, _U_FEW_ROWS = 4, 2
 
 
@@ -49,8 +50,8 @@ def _launch(out, x, q_len: int, causal: bool, scale: float, u: int | None = None
     cols = x.shape[-1]
     vec = _checks.row_vec_width(x.dtype, x, out)
     if in_regs is None:
-        # float32 rows stay in shared memory: measured on an H200, the register version
-        # was slower there (16384 x 4096: 148.9 us vs 133.3 us; 65536 x 768: 102.5 vs 98.7)
+        # float32 rows stay in shared memory: the register version is slower for them
+        # (results/row_tuning-h200.json: 16384 x 4096 152.1 us vs 134.5; 65536 x 768 103.4 vs 99.4)
         in_regs = x.dtype.itemsize < 4 and _build.cdiv(cols, vec) <= 1024 * _U
     if u is None:
         few_rows = x.size // cols < _build.sm_count(x.device.id)

@@ -17,8 +17,9 @@
 using namespace g2c;
 
 namespace {
+// Not tuned yet: one block per (head, sequence) with no split over the cache.
 constexpr int THREADS = 128;
-constexpr int UNROLL = 4;
+constexpr int UNROLL = 4;  // key rows' loads in flight per group
 }  // namespace
 
 template <typename T, int D>

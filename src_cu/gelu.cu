@@ -17,7 +17,7 @@
 using namespace g2c;
 
 namespace {
-constexpr int R = 4;  // rows in flight per thread: their loads are issued before any store
+constexpr int R = 4;  // rows in flight per thread, loaded before any store (not tuned yet)
 }
 
 template <typename T, int VEC, bool GELU>

@@ -19,6 +19,7 @@
 using namespace g2c;
 
 namespace {
+// Not tuned yet (decode-step GEMV speed is measured end to end only, in benchmarks/e2e.py).
 constexpr int WARPS = 8;
 constexpr int ROWS = 4;  // rows of x per pass over W's row
 }  // namespace
