@@ -2,7 +2,7 @@
 library against transformers, in one run. Random weights at the real sizes (the speed is
 that of the real weights). Wall-clock time of the whole generate call, prefill included.
 
-    PYTHONPATH=. python benchmarks/e2e.py [--new-tokens 512] [--quick]
+    python -m benchmarks.e2e [--new-tokens 512] [--quick]
 
 Writes benchmarks/results/e2e-<device>.json and prints a table.
 """

@@ -1,6 +1,6 @@
 """Memory-bound kernels against torch, transformers' NewGELU chain and numpy, in one run.
 
-    PYTHONPATH=. python benchmarks/kernels.py [--quick]
+    python -m benchmarks.kernels [--quick]
 
 For each kernel, dtype and size: the median GPU time (CUDA events, cold L2, launches
 queued behind a sleep kernel so the host's launch cost is not counted: see

@@ -1,7 +1,7 @@
 """Exploration behind the row kernels' fixed choices: vectors per thread (U) and where the
 row is kept (registers or shared memory), for layernorm and softmax, in one run.
 
-    PYTHONPATH=. python benchmarks/row_tuning.py
+    python -m benchmarks.row_tuning
 
 Writes benchmarks/results/row_tuning-<device>.json (rows: bench, dtype, rows, cols, u,
 in_regs, us, GBps). The wrappers' defaults cite what it measured.

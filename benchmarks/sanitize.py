@@ -1,7 +1,7 @@
 """Runs every kernel once, on small awkward shapes in each dtype, for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck  python benchmarks/sanitize.py
-    compute-sanitizer --tool racecheck python benchmarks/sanitize.py
+    compute-sanitizer --tool memcheck  python -m benchmarks.sanitize
+    compute-sanitizer --tool racecheck python -m benchmarks.sanitize
 
 Sizes are chosen to hit ragged tiles and the scalar paths, and to stay quick under the tools.
 """
