@@ -79,7 +79,7 @@ def vec_width(dtype, cols: int, *arrays) -> int:
 
 def row_vec_width(dtype, *rows) -> int:
     """For kernels that split each row into an unaligned head, 16-byte vectors and a tail
-    (common.cuh): full vectors when every row array has the same alignment, else 1."""
+    (row.cuh): full vectors when every row array has the same alignment, else 1."""
     if len({a.data.ptr % 16 for a in rows if a is not None}) > 1:
         return 1
     return 16 // numpy.dtype(dtype).itemsize
