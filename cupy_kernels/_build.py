@@ -258,7 +258,7 @@ def row_smem(cols: int, name: str) -> int:
     """Shared memory for a row of ``cols`` float32 values, or ValueError past the device's limit."""
     import cupy
 
-    nbytes = 4 * (cols + 3)  # + the 16-byte alignment shift of SmemRow (common.cuh)
+    nbytes = 4 * (cols + 3)  # + the 16-byte alignment shift of SharedRow (row.cuh)
     limit = _smem_optin(cupy.cuda.Device().id)
     if nbytes > limit:
         raise ValueError(f"{name} rows of {cols} elements exceed this GPU's {limit // 4} (shared memory)")
