@@ -89,6 +89,32 @@ def time_gpu(fn, *, warmup: int = 3, reps: int = 20, cold_l2: bool = True, hide_
     return {"us": statistics.median(times), "us_min": min(times), "us_max": max(times)}
 
 
+def time_in_graph(fn, n: int = 50) -> float:
+    """Median microseconds per call of ``fn`` captured n times into one CUDA graph and
+    replayed: the GPU time of its launches without the host's launch cost, the way the
+    decode step runs them."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.runtime.deviceSynchronize()
+    with stream:
+        fn()  # once outside the capture: what it allocates on first use is not captured
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(n):
+            fn()
+        graph = stream.end_capture()
+        for _ in range(3):
+            graph.launch(stream)
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(10):
+            start.record(stream)
+            graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / n)
+    return statistics.median(times)
+
+
 def copy_ceiling_GBps(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second / 1e9."""
     src = cupy.ones(nbytes // 4, dtype=cupy.float32)
@@ -97,10 +123,12 @@ def copy_ceiling_GBps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (t["us"] * 1e-6) / 1e9
 
 
-def write_results(bench: str, rows: list[dict], ceilings: dict) -> Path:
+def write_results(bench: str, rows: list[dict], ceilings: dict, **extra) -> Path:
+    """benchmarks/results/<bench>-<device>.json: device, date, versions, ceilings, rows,
+    and any ``extra`` sections."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{bench}-{device_slug()}.json"
     doc = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "versions": versions(), "ceilings": ceilings, "rows": rows}
+           "versions": versions(), "ceilings": ceilings, "rows": rows, **extra}
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return path

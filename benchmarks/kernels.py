@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import cupy_kernels as K
-from benchmarks.common import RESULTS, banner, copy_ceiling_GBps, device_slug, time_gpu, write_results
+from benchmarks.common import RESULTS, banner, copy_ceiling_GBps, device_slug, time_gpu, time_in_graph, write_results
 from cupy_kernels import _build
 
 DTYPES = {"float32": (np.float32, torch.float32), "float16": (np.float16, torch.float16),
@@ -123,28 +123,6 @@ def time_numpy(fn, reps=3) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best * 1e6
-
-
-def time_in_graph(fn, n=50) -> float:
-    """Microseconds per launch of ``fn`` replayed n times inside one CUDA graph."""
-    stream = cp.cuda.Stream(non_blocking=True)
-    cp.cuda.runtime.deviceSynchronize()
-    with stream:
-        stream.begin_capture()
-        for _ in range(n):
-            fn()
-        graph = stream.end_capture()
-        for _ in range(3):
-            graph.launch(stream)
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        times = []
-        for _ in range(10):
-            start.record(stream)
-            graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / n)
-    return float(np.median(times))
 
 
 def plot(rows, ceiling):

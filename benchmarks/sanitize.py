@@ -40,6 +40,15 @@ def main():
             K.kv_append(kc, vc, qkv[:, :, 1], qkv[:, :, 2], cp.asarray([0, 5], dtype=np.int32),
                         seq_lens=cp.zeros(2, dtype=np.int32))
             K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32))
+            for kv in ("int8", "fp8"):  # quantized caches, GQA (4 query heads per KV head), ALiBi, splits
+                storage = K.kv_storage_dtype(kv, dtype)
+                kq, vq = cp.empty((2, 2, T + 5, D), storage), cp.empty((2, 2, T + 5, D), storage)
+                sc = {"k_scale": cp.empty((2, 2, T + 5), np.float32), "v_scale": cp.empty((2, 2, T + 5), np.float32)}
+                K.kv_append(kq, vq, qkv[:, :, 1], qkv[:, :, 2], cp.asarray([5, 0], dtype=np.int32), **sc)
+                q8 = r(2, 8, D, dtype=dtype)
+                for splits in (1, 3):
+                    K.decode_attention(q8, kq, vq, cp.asarray([T + 5, T], dtype=np.int32), num_splits=splits,
+                                       alibi_slopes=cp.full(8, 0.25, np.float32), **sc)
         for B, N, Kd in ((1, 100, 64), (5, 33, 781)):
             K.linear(r(B, Kd, dtype=dtype), r(N, Kd, dtype=dtype), r(N, dtype=dtype), gelu=True)
             K.linear(r(B, Kd, dtype=dtype), r(N, Kd, dtype=dtype), out_dtype=np.float32)

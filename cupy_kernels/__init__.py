@@ -9,7 +9,7 @@ from .attention import causal_attention
 from .decode_attention import decode_attention
 from .embedding import embedding
 from .gelu import bias_add, bias_gelu
-from .kv_cache import kv_advance, kv_append
+from .kv_cache import kv_advance, kv_append, kv_storage_dtype
 from .layernorm import layernorm, layernorm_residual
 from .linear import linear
 from .sampling import argmax, sample
@@ -24,6 +24,7 @@ __all__ = [
     "embedding",
     "kv_advance",
     "kv_append",
+    "kv_storage_dtype",
     "layernorm",
     "layernorm_residual",
     "linear",

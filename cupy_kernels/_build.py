@@ -1,9 +1,9 @@
 """Run-time compilation of ``src_cu/`` through NVRTC: the only place a ``RawModule`` is made.
 
 Each kernel module declares its template specializations at import time with
-:func:`declare`; :func:`kernel` returns one of them, compiling the whole family's
-file once per process (one NVRTC call per file, cached by file, specializations and
-options). The compiled text starts with a hash of ``src_cu/*.cuh``, because CuPy's
+:func:`declare`; :func:`kernel` returns one of them, compiled on first use (one NVRTC
+call per specialization, cached by file, name and options: a model pays only for the
+few of a family's dozens of specializations it launches). The compiled text starts with a hash of ``src_cu/*.cuh``, because CuPy's
 on-disk cache is keyed by source text and options and would otherwise miss header edits.
 
 :func:`compile_for_arch` compiles the same text with the same options through
@@ -136,7 +136,7 @@ def kernel(source: str, name_expression: str):
         raise KeyError(
             f"{name_expression} is not a declared specialization of {source}; declared:\n  {listing}"
         )
-    kern = _module(source, tuple(names), options()).get_function(name_expression)
+    kern = _module(source, (name_expression,), options()).get_function(name_expression)
     return kern if _plan is None else _Recorder(kern, _plan)
 
 

@@ -1,23 +1,85 @@
-"""KV-cache append.
+"""KV-cache append, in the model's dtype or quantized to int8 / fp8 e4m3.
 
-Kernel: ``src_cu/kv_cache.cu``. Tests: ``tests/test_kernels_gpu.py``.
+Kernel: ``src_cu/kv_cache.cu`` (formats: ``src_cu/kv.cuh``). Tests: ``tests/test_kernels_gpu.py``.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import cupy
+import numpy
 
 from . import _build, _checks
 from ._build import i32, i64
 
 _SRC = "kv_cache.cu"
+QUANT_HEAD_DIMS = (64, 128)
+
+# Quantized cache formats: name -> storage dtype; storage dtype -> C++ element type.
+# fp8 e4m3 has no CuPy dtype: its bytes are stored as uint8.
+KV_DTYPES = {"int8": numpy.dtype(numpy.int8), "float8_e4m3": numpy.dtype(numpy.uint8)}
+KV_CTYPES = {numpy.dtype(numpy.int8): "signed char", numpy.dtype(numpy.uint8): "__nv_fp8_e4m3"}
+_KV_ALIASES = {"fp8": "float8_e4m3", "e4m3": "float8_e4m3", "float8_e4m3fn": "float8_e4m3"}
 
 
 def _name(c_type: str, vec: int) -> str:
     return f"kv_append_kernel<{c_type}, {vec}>"
 
 
-_build.declare(_SRC, [_name(c, v) for c in _build.CTYPES.values() for v in _build.vec_widths(c)] + ["kv_advance_kernel"])
+def _quant_name(c_type: str, kv_type: str, head_dim: int) -> str:
+    return f"kv_append_quant_kernel<{c_type}, {kv_type}, {head_dim}>"
+
+
+_build.declare(
+    _SRC,
+    [_name(c, v) for c in _build.CTYPES.values() for v in _build.vec_widths(c)]
+    + [_quant_name(c, kv, d) for c, kv, d in itertools.product(_build.CTYPES.values(), KV_CTYPES.values(), QUANT_HEAD_DIMS)]
+    + ["kv_advance_kernel"],
+)
+
+
+def kv_storage_dtype(kv_dtype, dtype) -> numpy.dtype:
+    """The array dtype of a cache: ``dtype`` (the model's) for None, else int8 for 'int8'
+    and uint8 for 'float8_e4m3' (alias 'fp8'), or ValueError."""
+    if kv_dtype is None:
+        return numpy.dtype(dtype)
+    name = _KV_ALIASES.get(str(kv_dtype), str(kv_dtype))
+    if name not in KV_DTYPES:
+        raise ValueError(f"unsupported kv_cache_dtype {kv_dtype!r}; choose None (the model's dtype), 'int8' or 'fp8'")
+    return KV_DTYPES[name]
+
+
+def cache_ctype(cache, name: str, dtype, ndim: int) -> str:
+    """The C++ element type of a contiguous cache array: ``dtype``'s own, or a quantized format."""
+    cache = _checks.as_array(cache, name)
+    _checks.check_ndim(cache, name, ndim)
+    if not cache.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (got strides {cache.strides})")
+    if cache.dtype == numpy.dtype(dtype):
+        return _build.ctype(dtype)
+    if cache.dtype in KV_CTYPES:
+        return KV_CTYPES[cache.dtype]
+    raise TypeError(f"{name} has dtype {cache.dtype}: expected {numpy.dtype(dtype)} (the inputs' dtype), "
+                    "int8 or uint8 (fp8 e4m3)")
+
+
+def check_scales(quantized: bool, cache, k_scale, v_scale):
+    """k_scale, v_scale: float32 [B_cache, H, S_max] for a quantized cache, absent otherwise."""
+    if not quantized:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale / v_scale belong to quantized caches; this cache holds {cache.dtype}")
+        return None, None
+    out = []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            raise ValueError(f"a {cache.dtype} cache needs {name} (float32 {cache.shape[:3]})")
+        s = _checks.as_array(s, name)
+        if s.dtype != numpy.float32 or not s.flags.c_contiguous:
+            raise TypeError(f"{name} must be a contiguous float32 array, got {s.dtype}")
+        _checks.check_shape(s, name, cache.shape[:3])
+        out.append(s)
+    return tuple(out)
 
 
 def _row_strides(a, name: str) -> tuple[int, int]:
@@ -31,19 +93,27 @@ def _row_strides(a, name: str) -> tuple[int, int]:
     return a.strides[0] // item, a.strides[1] // item
 
 
-def kv_append(k_cache, v_cache, k, v, start, *, slots=None, seq_lens=None) -> None:
+def kv_append(k_cache, v_cache, k, v, start, *, slots=None, seq_lens=None, k_scale=None, v_scale=None) -> None:
     """Write k, v [B, T, H, D] into the caches [B_cache, H, S_max, D] at rows start[b]..start[b]+T-1.
 
     start: int32 [B]; slots: optional int32 [B] cache rows (default: b); seq_lens: optional
     int32 [B], set to start + T. Positions are not checked on the GPU: callers keep
     start[b] + T <= S_max (the model checks lengths on the host).
+    Caches in k's dtype take the rows as they are. int8 caches, and fp8 e4m3 caches stored
+    as uint8, take each row of D elements quantized with its own scale max|x| / 127 (int8)
+    or max|x| / 448 (fp8), written to k_scale / v_scale (float32 [B_cache, H, S_max]);
+    D in {64, 128} then.
     """
-    k_cache = _checks.float_array(k_cache, "k_cache", ndim=4)
-    v_cache = _checks.float_array(v_cache, "v_cache", ndim=4)
     k = _checks.float_array(k, "k", ndim=4, contiguous=False)
     v = _checks.float_array(v, "v", ndim=4, contiguous=False)
-    _checks.same_dtype(k_cache, "k_cache", v_cache=v_cache, k=k, v=v)
+    _checks.same_dtype(k, "k", v=v)
+    kv_type = cache_ctype(k_cache, "k_cache", k.dtype, ndim=4)
+    if cache_ctype(v_cache, "v_cache", k.dtype, ndim=4) != kv_type:
+        raise TypeError(f"v_cache has dtype {v_cache.dtype} but k_cache has {k_cache.dtype}")
+    k_cache, v_cache = _checks.as_array(k_cache, "k_cache"), _checks.as_array(v_cache, "v_cache")
     _checks.check_shape(v_cache, "v_cache", k_cache.shape)
+    quantized = kv_type in KV_CTYPES.values()
+    k_scale, v_scale = check_scales(quantized, k_cache, k_scale, v_scale)
     _checks.check_shape(v, "v", k.shape)
     B, T, H, D = k.shape
     if (k_cache.shape[1], k_cache.shape[3]) != (H, D):
@@ -60,8 +130,19 @@ def kv_append(k_cache, v_cache, k, v, start, *, slots=None, seq_lens=None) -> No
     if seq_lens is not None:
         seq_lens = _checks.int_array(seq_lens, "seq_lens", ndim=1)
         _checks.check_shape(seq_lens, "seq_lens", (B,))
+    if quantized and D not in QUANT_HEAD_DIMS:
+        raise ValueError(f"a quantized cache needs head_dim in {QUANT_HEAD_DIMS}, got {D}")
     ks, vs = _row_strides(k, "k"), _row_strides(v, "v")
     if B * T == 0:
+        return
+    if quantized:
+        kern = _build.kernel(_SRC, _quant_name(_build.ctype(k.dtype), kv_type, D))
+        kern(
+            (B * T,), (32 * min(H, 8),),
+            (k_cache, v_cache, k_scale, v_scale, k, v, 0 if slots is None else slots, start,
+             0 if seq_lens is None else seq_lens, i32(T), i32(H), i32(k_cache.shape[2]),
+             i64(ks[0]), i64(ks[1]), i64(vs[0]), i64(vs[1])),
+        )
         return
     item = k.itemsize
     aligned = all(a.data.ptr % 16 == 0 for a in (k, v)) and all((s * item) % 16 == 0 for s in (*ks, *vs, D))

@@ -23,6 +23,8 @@ __all__ = [
     "linear",
     "causal_attention",
     "decode_attention",
+    "quantize_kv",
+    "dequantize_kv",
     "gpt2_hidden",
     "gpt2_forward",
     "philox4x32_10",
@@ -140,28 +142,64 @@ def causal_attention(q, k, v, scale: float | None = None) -> np.ndarray:
     return att @ v  # [B, H, Tq, D]
 
 
-def decode_attention(q, k_cache, v_cache, seq_lens, scale: float | None = None) -> np.ndarray:
-    """Single-token attention over a KV cache. q [B, H, D], caches [B, H, S_max, D],
-    sequence b attends to its first seq_lens[b] keys (0 gives zeros). Returns [B, H, D]."""
+def decode_attention(q, k_cache, v_cache, seq_lens, scale: float | None = None, alibi_slopes=None) -> np.ndarray:
+    """Single-token attention over a KV cache. q [B, H, D], caches [B, H_kv, S_max, D] with
+    H_kv dividing H (query head h reads KV head h // (H / H_kv)); sequence b attends to its
+    first seq_lens[b] keys (0 gives zeros). alibi_slopes [H] adds slope_h * (s - len + 1)
+    to the score of key s. Returns [B, H, D]."""
     q, k_cache, v_cache = _f64(q), _f64(k_cache), _f64(v_cache)
     seq_lens = _i64(seq_lens).reshape(-1)
     B, H, D = q.shape
-    if k_cache.shape != v_cache.shape or k_cache.ndim != 4 or k_cache.shape[:2] != (B, H) or k_cache.shape[3] != D:
+    if k_cache.shape != v_cache.shape or k_cache.ndim != 4 or k_cache.shape[0] < B or k_cache.shape[3] != D:
         raise ValueError(f"bad shapes: q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape}")
-    S_max = k_cache.shape[2]
+    H_kv, S_max = k_cache.shape[1], k_cache.shape[2]
+    if H % H_kv:
+        raise ValueError(f"{H_kv} KV heads do not divide {H} query heads")
     if seq_lens.shape != (B,) or (seq_lens < 0).any() or (seq_lens > S_max).any():
         raise ValueError(f"seq_lens must be [B={B}] ints in [0, {S_max}], got {seq_lens}")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
+    slopes = np.zeros(H) if alibi_slopes is None else _f64(alibi_slopes).reshape(H)
+    kv_head = np.arange(H) // (H // H_kv)
     out = np.zeros((B, H, D), dtype=np.float64)
     for b in range(B):
         n = int(seq_lens[b])
         if n == 0:
             continue
-        att = np.einsum("hd,hsd->hs", q[b], k_cache[b, :, :n]) * scale  # [H, n]
+        k, v = k_cache[b, kv_head, :n], v_cache[b, kv_head, :n]  # [H, n, D]
+        att = np.einsum("hd,hsd->hs", q[b], k) * scale  # [H, n]
+        att += slopes[:, None] * (np.arange(n) - (n - 1))[None, :]
         att = softmax(att)  # [H, n]
-        out[b] = np.einsum("hs,hsd->hd", att, v_cache[b, :, :n])  # [H, D]
+        out[b] = np.einsum("hs,hsd->hd", att, v)  # [H, D]
     return out
+
+
+# int8 and fp8 e4m3 KV-cache rows: one scale per row of D elements (src_cu/kv.cuh)
+KV_QMAX = {"int8": 127.0, "float8_e4m3": 448.0}
+
+
+def quantize_kv(x, kv_dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize rows x [..., D] as the cache does, in the kernel's float32 arithmetic:
+    scale = max|x| / QMAX, code = encode(x * (QMAX / max|x|)). Returns (codes [..., D] as
+    int8 values, or float8_e4m3fn values as float64; scales [...] float32)."""
+    x = np.asarray(_f64(x), dtype=np.float32)
+    qmax = np.float32(KV_QMAX[kv_dtype])
+    amax = np.abs(x).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, qmax / amax, np.float32(0)).astype(np.float32)
+    y = x * inv[..., None]  # float32, as on the GPU
+    if kv_dtype == "int8":
+        codes = np.clip(np.rint(y), -127, 127).astype(np.int8)
+    else:
+        import ml_dtypes
+
+        codes = np.clip(y, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return codes, (amax / qmax).astype(np.float32)
+
+
+def dequantize_kv(codes, scales) -> np.ndarray:
+    """codes [..., D] (int8 values or fp8 values) times their row scales [...], in float64."""
+    return _f64(codes) * _f64(scales)[..., None]
 
 
 # ----------------------------------------------------------------------------

@@ -21,6 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="stop where this text appears (repeatable)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token")
     p.add_argument("--no-cuda-graph", action="store_true", help="launch the decode step kernel by kernel, not as a CUDA graph")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8"],
+                   help="quantize the KV cache (one scale per cached row); default: the model's dtype")
     p.add_argument("--random-weights", action="store_true",
                    help="a randomly initialized model of the chosen size (no download needed)")
     return p
@@ -34,7 +36,8 @@ def main(argv=None) -> int:
         model = load_model(args.model, args.dtype, args.random_weights)
         tok = _tokenizer_for(args.model, None)
         options = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       seed=args.seed, use_cache=not args.no_cache, cuda_graph=not args.no_cuda_graph)
+                       seed=args.seed, use_cache=not args.no_cache, cuda_graph=not args.no_cuda_graph,
+                       kv_cache_dtype=args.kv_cache_dtype)
         steps = _text_steps(model, tok, [args.prompt], args.max_new_tokens, args.stop, "default", **options)
         # compile the kernels (first use in this process) outside the timed run
         for _ in _text_steps(model, tok, [args.prompt], 2, None, "default", **options):

@@ -94,14 +94,16 @@ def generate(prompt: str | Sequence[str], model: str | GPT2 = "gpt2", *, max_new
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
              eos_token_id: int | None | str = "default", dtype="float32", use_cache: bool = True,
-             cuda_graph: bool = True, random_weights: bool = False, tokenizer: Tokenizer | None = None):
+             cuda_graph: bool = True, kv_cache_dtype: str | None = None, random_weights: bool = False,
+             tokenizer: Tokenizer | None = None):
     """Continue ``prompt`` (a str, or a list of str run as one batch) with GPT-2.
 
     Returns the prompt followed by its continuation (a str, or a list of str). ``model`` is
     a Hub name, a local directory or a :class:`GPT2`. Generation stops after
     ``max_new_tokens``, at the end-of-text token (``eos_token_id=None`` disables it), or
     where a ``stop`` string appears (the text is cut before it). Greedy unless
-    ``do_sample``; the same ``seed`` gives the same text.
+    ``do_sample``; the same ``seed`` gives the same text. ``kv_cache_dtype`` 'int8' or
+    'fp8' quantizes the KV cache (see :meth:`GPT2.generate`).
     """
     single = isinstance(prompt, str)
     prompts = [prompt] if single else list(prompt)
@@ -112,7 +114,7 @@ def generate(prompt: str | Sequence[str], model: str | GPT2 = "gpt2", *, max_new
     texts = list(prompts)
     for pieces in _text_steps(net, tok, prompts, max_new_tokens, stop, eos_token_id, do_sample=do_sample,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                              use_cache=use_cache, cuda_graph=cuda_graph):
+                              use_cache=use_cache, cuda_graph=cuda_graph, kv_cache_dtype=kv_cache_dtype):
         texts = [t + p for t, p in zip(texts, pieces)]
     return texts[0] if single else texts
 

@@ -21,6 +21,7 @@ import numpy
 
 import cupy_kernels as K
 from cupy_kernels import _build
+from cupy_kernels.decode_attention import launch_config
 
 from .config import SIZES, GPT2Config
 
@@ -62,15 +63,29 @@ class _Block:
 class KVCache:
     """Keys and values of every layer: [n_layer, B, H, S_max, D] each, plus the device
     arrays the decode step reads: ``positions`` (where the next token goes, int32 [B]) and
-    ``lengths`` (valid rows after it is appended, int32 [B])."""
+    ``lengths`` (valid rows after it is appended, int32 [B]).
 
-    def __init__(self, config: GPT2Config, batch: int, max_len: int, dtype):
+    kv_dtype None stores the model's dtype; 'int8' or 'fp8' (e4m3, held as uint8) store
+    each row of D values quantized with a float32 scale of its own in ``k_scale`` /
+    ``v_scale`` [n_layer, B, H, S_max] (see src_cu/kv.cuh)."""
+
+    def __init__(self, config: GPT2Config, batch: int, max_len: int, dtype, kv_dtype=None):
         shape = (config.n_layer, batch, config.n_head, max_len, config.head_dim)
-        self.k = cupy.empty(shape, dtype=dtype)
-        self.v = cupy.empty(shape, dtype=dtype)
+        storage = K.kv_storage_dtype(kv_dtype, dtype)
+        self.k = cupy.empty(shape, dtype=storage)
+        self.v = cupy.empty(shape, dtype=storage)
+        self.k_scale = self.v_scale = None
+        if storage != numpy.dtype(dtype):
+            self.k_scale = cupy.empty(shape[:-1], dtype=numpy.float32)
+            self.v_scale = cupy.empty(shape[:-1], dtype=numpy.float32)
         self.positions = cupy.zeros(batch, dtype=numpy.int32)
         self.lengths = cupy.zeros(batch, dtype=numpy.int32)
         self.max_len = max_len
+
+    def layer(self, i: int) -> dict:
+        """Layer i's cache arrays as keyword arguments of kv_append and decode_attention."""
+        scales = {} if self.k_scale is None else {"k_scale": self.k_scale[i], "v_scale": self.v_scale[i]}
+        return {"k_cache": self.k[i], "v_cache": self.v[i], **scales}
 
 
 class _DecodeBuffers:
@@ -202,7 +217,7 @@ class GPT2:
             K.bias_add(qkv, blk.attn_b, out=qkv)
             q, k, v = (qkv.reshape(1, T, 3, H, D)[:, :, j] for j in range(3))  # [1, T, H, D] views
             if cache is not None:
-                K.kv_append(cache.k[i], cache.v[i], k, v, start, slots=slots)
+                K.kv_append(k=k, v=v, start=start, slots=slots, **cache.layer(i))
             a = K.causal_attention(q, k, v)  # [1, T, H, D]
             y = self._matmul(a.reshape(T, C), blk.attn_proj_w)  # [T, C]
             x, h = K.layernorm_residual(x, y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b,
@@ -237,14 +252,19 @@ class GPT2:
         cfg = self.config
         B, C, H, D, eps = buf.x.shape[0], cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
         qkv = buf.qkv.reshape(B, 1, 3, H, D)  # view: [B, T=1, 3, H, D]
+        # split each sequence's cache as if it ran alone, so that its numbers (and tokens)
+        # do not depend on what it is batched with; merge the splits with a second kernel,
+        # the faster way inside a CUDA graph (cupy_kernels/decode_attention.py)
+        splits = launch_config(self.dtype, cache.k.dtype, 1, H, H, D, cache.max_len)[2]
         with _build.recording() as plan:
             K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x)
             K.layernorm(buf.x, self.blocks[0].ln_1_w, self.blocks[0].ln_1_b, eps=eps, out=buf.h)
             for i, blk in enumerate(self.blocks):
                 K.linear(buf.h, blk.attn_w, blk.attn_b, out=buf.qkv)
-                K.kv_append(cache.k[i], cache.v[i], qkv[:, :, 1], qkv[:, :, 2], cache.positions,
-                            seq_lens=cache.lengths)
-                K.decode_attention(qkv[:, 0, 0], cache.k[i], cache.v[i], cache.lengths, out=buf.att)
+                K.kv_append(k=qkv[:, :, 1], v=qkv[:, :, 2], start=cache.positions, seq_lens=cache.lengths,
+                            **cache.layer(i))
+                K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, num_splits=splits, merge="kernel",
+                                   out=buf.att, **cache.layer(i))
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, out=buf.y)
                 K.layernorm_residual(buf.x, buf.y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b,
                                      eps=eps, out=buf.h, sum_out=buf.x)
@@ -259,25 +279,27 @@ class GPT2:
 
     def stream(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               eos_token_id: int | None = None, use_cache: bool = True, cuda_graph: bool = True):
+               eos_token_id: int | None = None, use_cache: bool = True, cuda_graph: bool = True,
+               kv_cache_dtype: str | None = None):
         """An iterator over decoding steps: each item is a list with one new token id per
         sequence (None for a sequence that has finished). Arguments as :meth:`generate`;
         they are checked here, before the iterator is returned and before any launch."""
         rows, _ = check_input_ids(input_ids, self.config)
         seed = check_generate_args(rows, self.config, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
                                    eos_token_id)
+        K.kv_storage_dtype(kv_cache_dtype, self.dtype)  # ValueError for an unknown name
         if max_new_tokens == 0:
             return iter(())
         return self._generate(rows, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
-                              eos_token_id, use_cache, cuda_graph)
+                              eos_token_id, use_cache, cuda_graph, kv_cache_dtype)
 
     def _generate(self, rows, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id,
-                  use_cache, cuda_graph):
+                  use_cache, cuda_graph, kv_cache_dtype):
         cfg = self.config
         B = len(rows)
         buf = _DecodeBuffers(cfg, B, self.dtype)
         max_len = max(r.size for r in rows) + max_new_tokens
-        cache = KVCache(cfg, B, max_len if use_cache else 1, self.dtype)
+        cache = KVCache(cfg, B, max_len if use_cache else 1, self.dtype, kv_cache_dtype if use_cache else None)
 
         def choose():
             K.linear(buf.h, self.lm_head, out_dtype=numpy.float32, out=buf.logits)
@@ -345,7 +367,8 @@ class GPT2:
 
     def generate(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 eos_token_id: int | None = None, use_cache: bool = True, cuda_graph: bool = True):
+                 eos_token_id: int | None = None, use_cache: bool = True, cuda_graph: bool = True,
+                 kv_cache_dtype: str | None = None):
         """Generate token ids.
 
         input_ids: [T] or [B, T] ints, or a list of prompts of different lengths. Returns the
@@ -354,7 +377,9 @@ class GPT2:
         then top_p, with Philox random numbers from ``seed`` (same seed, same tokens).
         A sequence stops after ``eos_token_id``. ``use_cache=False`` recomputes the whole
         sequence for every new token. ``cuda_graph`` (default) replays the decode step as one
-        CUDA graph; False launches its recorded kernels one by one.
+        CUDA graph; False launches its recorded kernels one by one. ``kv_cache_dtype``: None
+        keeps keys and values in the model's dtype; 'int8' or 'fp8' (e4m3) quantizes each
+        cached row with a scale of its own (about half the cache bytes of fp16).
         Prompts are run one by one and decoding treats each row independently, so a batch
         gives each sequence the same tokens as running it alone (greedy; sampling draws a
         different random stream per row).
@@ -363,7 +388,7 @@ class GPT2:
         seqs = [list(map(int, r)) for r in rows]
         for step in self.stream(rows, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, eos_token_id=eos_token_id, use_cache=use_cache,
-                                cuda_graph=cuda_graph):
+                                cuda_graph=cuda_graph, kv_cache_dtype=kv_cache_dtype):
             for b, t in enumerate(step):
                 if t is not None:
                     seqs[b].append(t)

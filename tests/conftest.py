@@ -28,3 +28,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def compiled():
+    """Every declared kernel specialization compiled once per session, before the GPU tests
+    that ask for it: a compile error is one clear failure, and no test times NVRTC."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import cupy_kernels  # noqa: F401  (declares every specialization)
+    from cupy_kernels import _build
+
+    jobs = [(source, name) for source, names in _build.declared().items() for name in names]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # NVRTC runs outside the GIL
+        list(pool.map(lambda job: _build.kernel(*job), jobs))

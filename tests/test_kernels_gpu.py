@@ -7,44 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled")]
 
 cp = pytest.importorskip("cupy")
 import cupy_kernels as K  # noqa: E402
 from cupy_kernels import _build  # noqa: E402
 from cupy_kernels import reference as ref  # noqa: E402
-
-DTYPES = [np.float32, np.float16, _build.BFLOAT16]
-# max |out - ref| / max |ref| allowed: float32 arithmetic, then rounding to the storage type
-TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float16): 2e-3, _build.BFLOAT16: 1.6e-2}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compiled():
-    """Compile every family once, so a compile error is one clear failure."""
-    for source, names in _build.declared().items():
-        for name in names:
-            _build.kernel(source, name)
-
-
-def rand(rng, shape, dtype, scale=1.0):
-    """Random values already rounded to ``dtype``; returns (gpu array, float64 host copy)."""
-    host = (rng.standard_normal(shape) * scale).astype(np.float32)
-    dev = cp.asarray(host).astype(dtype)
-    return dev, dev.astype(cp.float32).get().astype(np.float64)
-
-
-def poisoned(shape, dtype):
-    return cp.full(shape, np.nan, dtype=np.float32).astype(dtype)
-
-
-def check(out, expect, dtype, tol=None):
-    got = out.astype(cp.float32).get().astype(np.float64)
-    assert np.isfinite(got).all(), "unwritten (poisoned) or non-finite outputs"
-    scale = max(np.abs(expect).max(), 1e-30)
-    err = np.abs(got - expect).max() / scale
-    assert err <= (tol or TOL[np.dtype(dtype)]), f"relative error {err:.3g}"
-
+from gpu_util import DTYPES, check, poisoned, rand  # noqa: E402
 
 ROWS_COLS = [(1, 768), (7, 1024), (64, 1600), (1823, 781), (3, 1), (2, 50257)]
 
@@ -146,21 +115,6 @@ def test_causal_attention_unaligned_scalar_path():
     K.causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], out=out)
     expect = ref.causal_attention(*(qkvh[:, :, j].transpose(0, 2, 1, 3) for j in range(3)))
     check(out, expect.transpose(0, 2, 1, 3), np.float32)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("H,D,lens", [(12, 64, [1]), (12, 64, [7, 1000, 1, 4097]), (4, 128, [4097, 33]),
-                                      (2, 128, [1024])])
-def test_decode_attention(H, D, lens, dtype):
-    rng = np.random.default_rng(sum(lens) + D)
-    B, S = len(lens), max(lens) + 3
-    kc, kch = rand(rng, (B, H, S, D), dtype)
-    vc, vch = rand(rng, (B, H, S, D), dtype)
-    q_rows, q_rowsh = rand(rng, (B, 3, H, D), dtype)  # q is the first third of a qkv row
-    seq = cp.asarray(np.array(lens, dtype=np.int32))
-    out = poisoned((B, H, D), dtype)
-    K.decode_attention(q_rows[:, 0], kc, vc, seq, out=out)
-    check(out, ref.decode_attention(q_rowsh[:, 0], kch, vch, lens), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -108,6 +108,21 @@ def test_cached_tokens_are_argmax_of_full_forward(small, dtype):
         assert row[seq[pos + 1]] >= row.max() - tol * np.abs(row).max()
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_quantized_kv_cache_generation(small, kv):
+    """A quantized cache only changes what decoding reads: the first new token (from the
+    prefill) is the fp32 cache's, the graph and the kernel-by-kernel step agree, and a
+    batch gives each row its own tokens."""
+    _, model = small
+    plain = model.generate(PROMPT, 16)
+    got = model.generate(PROMPT, 16, kv_cache_dtype=kv)
+    assert len(got) == len(PROMPT) + 16 and all(0 <= t < 50257 for t in got)
+    assert got[len(PROMPT)] == plain[len(PROMPT)]
+    assert model.generate(PROMPT, 16, kv_cache_dtype=kv, cuda_graph=False) == got
+    other = PROMPT[3:] + [318]
+    assert model.generate([PROMPT, other], 16, kv_cache_dtype=kv) == [got, model.generate(other, 16, kv_cache_dtype=kv)]
+
+
 def test_sampling_is_seeded(small):
     _, model = small
     kw = dict(do_sample=True, temperature=0.9, top_k=50, top_p=0.95)
@@ -151,6 +166,8 @@ def test_bad_inputs_raise_and_model_stays_usable(small):
         model.generate(PROMPT, -1)
     with pytest.raises(ValueError, match="dtype"):
         GPT2.from_hf(small[0], "int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        model.generate(PROMPT, 4, kv_cache_dtype="int4")
     assert model.generate(PROMPT, 8) == before
     assert model.generate(cp.asarray(PROMPT), 8) == before
     assert model.generate(torch.tensor(PROMPT, device="cuda"), 8) == before

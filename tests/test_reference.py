@@ -254,3 +254,40 @@ def test_decode_attention_equals_full_model_attention_step():
     k_cache[:, :, :T], v_cache[:, :, :T] = k, v
     got = ref.decode_attention(q[:, :, -1], k_cache, v_cache, np.full(B, T), scale=1 / math.sqrt(D))
     np.testing.assert_allclose(got, full[:, :, -1], rtol=1e-13, atol=1e-14)
+
+
+def test_decode_attention_gqa_and_alibi_match_torch():
+    """Query head h reads KV head h // (H / H_kv); ALiBi adds slope_h * (s - len + 1)."""
+    r = _rng(10)
+    B, H, H_kv, S_max, D = 2, 6, 2, 9, 8
+    k_cache, v_cache = r.normal(size=(B, H_kv, S_max, D)), r.normal(size=(B, H_kv, S_max, D))
+    q = r.normal(size=(B, H, D))
+    slopes = 2.0 ** -np.arange(1, H + 1)
+    seq_lens = np.array([9, 4])
+    got = ref.decode_attention(q, k_cache, v_cache, seq_lens, alibi_slopes=slopes)
+    for b, n in enumerate(seq_lens):
+        k = torch.from_numpy(k_cache[b, :, :n]).repeat_interleave(H // H_kv, dim=0)  # [H, n, D]
+        v = torch.from_numpy(v_cache[b, :, :n]).repeat_interleave(H // H_kv, dim=0)
+        bias = torch.from_numpy(slopes[:, None, None] * (np.arange(n) - (n - 1))[None, None, :])  # [H, 1, n]
+        want = F.scaled_dot_product_attention(torch.from_numpy(q[b][:, None]), k, v, attn_mask=bias).numpy()[:, 0]
+        np.testing.assert_allclose(got[b], want, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3"])
+def test_quantize_kv_rows(kv_dtype):
+    import ml_dtypes
+
+    x = _rng(11).normal(size=(3, 5, 64)) * 4
+    x[1, 2] = 0.0
+    codes, scales = ref.quantize_kv(x, kv_dtype)
+    assert codes.shape == x.shape and scales.shape == x.shape[:2] and scales.dtype == np.float32
+    qmax = ref.KV_QMAX[kv_dtype]
+    np.testing.assert_allclose(scales, np.abs(x).max(-1) / qmax, rtol=1e-6)
+    assert np.all(codes[1, 2] == 0) and scales[1, 2] == 0
+    assert np.abs(codes).max() == qmax  # each row's largest value uses the full range
+    if kv_dtype == "int8":
+        assert codes.dtype == np.int8
+        assert np.all(np.abs(ref.dequantize_kv(codes, scales) - x) <= scales[..., None] * 0.5001)
+    else:  # every code is an e4m3 value
+        np.testing.assert_array_equal(codes.astype(ml_dtypes.float8_e4m3fn).astype(np.float64), codes)
+        assert np.all(np.abs(ref.dequantize_kv(codes, scales) - x) <= np.abs(x) * 2.0**-4 * 1.001 + scales[..., None] * 2.0**-9)

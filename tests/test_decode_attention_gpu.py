@@ -1,0 +1,160 @@
+"""Decoding attention and the quantized KV-cache append against float64 numpy, on the GPU:
+MHA, GQA and MQA, ALiBi, caches in the model's dtype, int8 and fp8 e4m3, one split and
+several, lengths 1, 7, 1000 and 4097 mixed in one batch. Cache rows past each sequence's
+length and the outputs are poisoned (NaN) before the launch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled")]
+
+cp = pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+import cupy_kernels as K  # noqa: E402
+from cupy_kernels import reference as ref  # noqa: E402
+from cupy_kernels.decode_attention import _COUNTERS  # noqa: E402
+from gpu_util import DTYPES, TOL, check, poisoned, rand  # noqa: E402
+
+KV = {"plain": None, "int8": "int8", "fp8": "float8_e4m3"}
+
+
+def codes_to_host(cache, kv):
+    """A quantized cache's codes as float64 values (int8 values, or e4m3 values)."""
+    host = cache.get()
+    if kv == "float8_e4m3":
+        return host.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return host.astype(np.float64)
+
+
+def build_cache(rng, B, H_kv, S, D, lens, dtype, kv):
+    """A cache of S rows per (sequence, KV head), written by kv_append from random rows.
+    Returns the GPU arrays as decode_attention's keyword arguments and the float64 values
+    the kernel should see (dequantized for int8 / fp8). Rows >= lens[b] are poisoned."""
+    k, kh = rand(rng, (B, S, H_kv, D), dtype, 2.0)
+    v, vh = rand(rng, (B, S, H_kv, D), dtype)
+    storage = K.kv_storage_dtype(kv, dtype)
+    kc = cp.zeros((B, H_kv, S, D), dtype=storage)
+    vc = cp.zeros((B, H_kv, S, D), dtype=storage)
+    scales = {}
+    if kv is not None:
+        scales = {"k_scale": cp.empty((B, H_kv, S), np.float32), "v_scale": cp.empty((B, H_kv, S), np.float32)}
+    K.kv_append(kc, vc, k, v, cp.zeros(B, dtype=np.int32), **scales)
+    if kv is None:
+        k_host, v_host = kh.transpose(0, 2, 1, 3), vh.transpose(0, 2, 1, 3)
+    else:
+        k_host = ref.dequantize_kv(codes_to_host(kc, kv), scales["k_scale"])
+        v_host = ref.dequantize_kv(codes_to_host(vc, kv), scales["v_scale"])
+    for b, n in enumerate(lens):  # a read past a sequence's length turns the output into NaN
+        for a in (kc, vc) if kv is None else (scales["k_scale"], scales["v_scale"]):
+            a[b, :, n:] = poisoned(a[b, :, n:].shape, a.dtype)
+    return {"k_cache": kc, "v_cache": vc, **scales}, k_host, v_host
+
+
+CASES = [  # H, H_kv, D, lens, alibi
+    (12, 12, 64, [1], False),
+    (12, 12, 64, [7, 1000, 1, 4097], True),
+    (8, 2, 128, [4097, 33], False),  # GQA, 4 query heads per KV head
+    (6, 3, 64, [1000, 7], True),  # GQA, 2 per KV head
+    (5, 1, 128, [1, 1000], False),  # MQA, 5 query heads
+    (32, 1, 64, [4097], True),  # MQA, 32 query heads (8 blocks share each KV row)
+]
+
+
+@pytest.mark.parametrize("splits,merge", [(None, "last-block"), (1, "last-block"), (7, "last-block"), (7, "kernel")])
+@pytest.mark.parametrize("kv", list(KV))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("H,H_kv,D,lens,alibi", CASES)
+def test_decode_attention(H, H_kv, D, lens, alibi, dtype, kv, splits, merge):
+    rng = np.random.default_rng(H * 1000 + sum(lens) + D)
+    B, S = len(lens), max(lens) + 3
+    cache, k_host, v_host = build_cache(rng, B, H_kv, S, D, lens, dtype, KV[kv])
+    q_rows, q_rowsh = rand(rng, (B, 3, H, D), dtype)  # q is the first third of a qkv row
+    slopes = None
+    if alibi:
+        slopes = (2.0 ** (-8.0 * np.arange(1, H + 1) / H)).astype(np.float32)
+    seq = cp.asarray(np.array(lens, dtype=np.int32))
+    out = poisoned((B, H, D), dtype)
+    K.decode_attention(q_rows[:, 0], seq_lens=seq, alibi_slopes=None if slopes is None else cp.asarray(slopes),
+                       num_splits=splits, merge=merge, out=out, **cache)
+    check(out, ref.decode_attention(q_rowsh[:, 0], k_host, v_host, lens, alibi_slopes=slopes), dtype)
+    for counters in _COUNTERS.values():  # the last-block merge leaves its counters zeroed
+        assert not counters.any()
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kv", ["int8", "float8_e4m3"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kv_append_quantized(dtype, kv, D):
+    """Codes and scales equal numpy's quantization of the same float32 values, bit for bit."""
+    rng = np.random.default_rng(D)
+    B, T, H, S = 3, 5, 4, 16
+    qkv, qkvh = rand(rng, (B, T, 3, H, D), dtype, 3.0)
+    qkv[0, 1, 1, 2] = 0  # an all-zero row: scale 0, codes 0
+    qkvh[0, 1, 1, 2] = 0
+    storage = K.kv_storage_dtype(kv, dtype)
+    kc, vc = cp.zeros((4, H, S, D), storage), cp.zeros((4, H, S, D), storage)
+    ks, vs = cp.full((4, H, S), np.nan, np.float32), cp.full((4, H, S), np.nan, np.float32)
+    start_h = np.array([0, 3, 11], dtype=np.int32)
+    slots_h = np.array([2, 0, 3], dtype=np.int32)
+    lens = cp.zeros(B, dtype=np.int32)
+    K.kv_append(kc, vc, qkv[:, :, 1], qkv[:, :, 2], cp.asarray(start_h), slots=cp.asarray(slots_h), seq_lens=lens,
+                k_scale=ks, v_scale=vs)
+    assert lens.get().tolist() == (start_h + T).tolist()
+    for cache, scale, j in ((kc, ks, 1), (vc, vs, 2)):
+        codes, scales = codes_to_host(cache, kv), scale.get()
+        for b in range(B):
+            rows = slice(start_h[b], start_h[b] + T)
+            want_codes, want_scales = ref.quantize_kv(qkvh[b, :, j].transpose(1, 0, 2), kv)  # [H, T, D]
+            np.testing.assert_array_equal(codes[slots_h[b], :, rows], want_codes)
+            np.testing.assert_array_equal(scales[slots_h[b], :, rows], want_scales)
+        assert np.isnan(scales[1]).all() and np.isnan(scales[2, :, T:]).all()  # nothing else written
+    # a dequantized value is within half a step (int8), or 2^-4 relative / a subnormal step (fp8)
+    got = ref.dequantize_kv(codes_to_host(kc, kv)[2, :, :T], ks.get()[2, :, :T])
+    want = qkvh[0, :, 1].transpose(1, 0, 2)
+    step = ks.get()[2, :, :T, None]
+    bound = step * 0.5001 if kv == "int8" else np.abs(want) * 2.0**-4 * 1.001 + step * 2.0**-9
+    assert (np.abs(got - want) <= bound).all()
+
+
+def test_split_heuristic_keeps_short_batched_caches_in_one_launch():
+    from cupy_kernels import _build
+    from cupy_kernels.decode_attention import launch_config
+
+    fp16 = np.float16
+    sms = _build.sm_count(cp.cuda.Device().id)
+    assert launch_config(fp16, fp16, 128, 32, 32, 128, 4096)[2] == 1  # a batch that fills the GPU many times
+    splits = launch_config(fp16, fp16, 1, 32, 32, 128, 32768)[2]  # one long sequence: spread over the SMs
+    assert splits > 1 and splits * 32 >= sms
+    assert launch_config(fp16, fp16, 1, 12, 12, 64, 64)[2] == 1  # one loop trip of keys: nothing to split
+
+
+def test_decode_attention_bad_inputs_raise():
+    q = cp.zeros((2, 8, 64), np.float16)
+    kc = cp.zeros((2, 3, 16, 64), np.float16)
+    seq = cp.ones(2, np.int32)
+    with pytest.raises(ValueError, match="KV heads must divide"):
+        K.decode_attention(q, kc, kc, seq)
+    kc = cp.zeros((2, 4, 16, 64), np.int8)
+    with pytest.raises(ValueError, match="k_scale"):
+        K.decode_attention(q, kc, kc, seq)
+    with pytest.raises(TypeError, match="k_cache"):
+        K.decode_attention(q, kc.astype(np.int32), kc.astype(np.int32), seq)
+    kc = cp.zeros((2, 4, 16, 64), np.float16)
+    with pytest.raises(ValueError, match="k_scale"):
+        K.decode_attention(q, kc, kc, seq, k_scale=cp.zeros((2, 4, 16), np.float32))
+    with pytest.raises(ValueError, match="num_splits"):
+        K.decode_attention(q, kc, kc, seq, num_splits=0)
+    with pytest.raises(ValueError, match="merge"):
+        K.decode_attention(q, kc, kc, seq, merge="tree")
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        K.decode_attention(q, kc, kc, seq, alibi_slopes=cp.zeros(4, np.float32))
+    with pytest.raises(TypeError, match="v_cache"):
+        K.decode_attention(q, kc, kc.astype(np.float32), seq)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        K.kv_storage_dtype("int4", np.float16)
+    with pytest.raises(ValueError, match="head_dim"):
+        K.kv_append(cp.zeros((1, 2, 4, 32), np.int8), cp.zeros((1, 2, 4, 32), np.int8),
+                    cp.zeros((1, 1, 2, 32), np.float16), cp.zeros((1, 1, 2, 32), np.float16), cp.zeros(1, np.int32),
+                    k_scale=cp.zeros((1, 2, 4), np.float32), v_scale=cp.zeros((1, 2, 4), np.float32))
