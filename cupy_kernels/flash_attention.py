@@ -9,7 +9,6 @@ import itertools
 import math
 
 import cupy
-import numpy
 
 from . import _build, _checks
 from ._build import f32, i32, i64
@@ -41,12 +40,13 @@ def _strides(a, name: str) -> tuple[int, int, int]:
     item = a.itemsize
     if a.strides[3] != item:
         raise ValueError(f"{name} must have unit stride along head_dim, got strides {a.strides}")
-    if any(s < 0 or s % 16 for s in a.strides[:3]) or a.data.ptr % 16:
+    strides = [s if n > 1 else 0 for s, n in zip(a.strides[:3], a.shape)]  # a length-1 axis is never stepped
+    if any(s < 0 or s % 16 for s in strides) or a.data.ptr % 16:
         raise ValueError(
             f"{name} must start on a 16-byte boundary with batch, time and head strides that are "
             f"non-negative multiples of 16 bytes (got strides {a.strides}); pass cupy.ascontiguousarray({name})"
         )
-    return tuple(s // item for s in a.strides[:3])
+    return tuple(s // item for s in strides)
 
 
 def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None, out=None) -> cupy.ndarray:
@@ -66,8 +66,9 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     :func:`causal_attention`.
     """
     q = _checks.as_array(q, "q")
-    if q.dtype == numpy.float32:
-        raise TypeError("flash_attention runs on float16 and bfloat16; for float32 use causal_attention")
+    if q.dtype not in DTYPES:
+        supported = ", ".join(str(d) for d in DTYPES)
+        raise TypeError(f"q has dtype {q.dtype}; flash_attention supports {supported} (for float32: causal_attention)")
     q = _checks.float_array(q, "q", ndim=4, contiguous=False)
     k = _checks.float_array(k, "k", ndim=4, contiguous=False)
     v = _checks.float_array(v, "v", ndim=4, contiguous=False)

@@ -183,12 +183,8 @@ __global__ void __launch_bounds__(THREADS)
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
 #pragma unroll
-            for (int n = 0; n < S_TILES / 2; ++n) {
-                unsigned kb[4];
-                ldmatrix_x4(kb, k_tile + 16 * ROW * n + (k_lane ^ (32 * kk)));
-                mma_m16n8k16<T>(s[2 * n], qa[kk], kb[0], kb[1]);
-                mma_m16n8k16<T>(s[2 * n + 1], qa[kk], kb[2], kb[3]);
-            }
+            for (int n = 0; n < S_TILES / 2; ++n)
+                mma_m16n16k16<T, false>(s[2 * n], s[2 * n + 1], qa[kk], k_tile + 16 * ROW * n + (k_lane ^ (32 * kk)));
         }
 
         if (j >= n_full) {  // the tile crosses the diagonal or Tk
@@ -245,17 +241,14 @@ __global__ void __launch_bounds__(THREADS)
 #pragma unroll
         for (int i = 0; i < P_STEPS; ++i) {
 #pragma unroll
-            for (int n = 0; n < O_TILES / 2; ++n) {
-                unsigned vb[4];
-                ldmatrix_x4_trans(vb, v_tile + 16 * ROW * i + (qv_lane ^ (32 * n)));
-                mma_m16n8k16<T>(o[2 * n], pa[i], vb[0], vb[1]);
-                mma_m16n8k16<T>(o[2 * n + 1], pa[i], vb[2], vb[3]);
-            }
+            for (int n = 0; n < O_TILES / 2; ++n)
+                mma_m16n16k16<T, true>(o[2 * n], o[2 * n + 1], pa[i], v_tile + 16 * ROW * i + (qv_lane ^ (32 * n)));
         }
     }
 
-    // out is a contiguous [B, Tq, H, D] array. Each lane stores 2 elements (4 bytes) per
-    // n-tile and row: the output is 1/Tk of the traffic, not worth a pass through shared memory.
+    // out is a contiguous [B, Tq, H, D] array. Each lane stores 2 elements (4 bytes) per n-tile
+    // and row, straight from registers: out is written once while k and v are read Tq / 64
+    // times, so a pass through shared memory for 16-byte stores is not worth its barrier.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float sum = l[r];

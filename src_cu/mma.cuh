@@ -37,7 +37,8 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const unsigned (&a)[
 
 template <>
 __device__ __forceinline__ void mma_m16n8k16<__half>(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
@@ -45,7 +46,8 @@ __device__ __forceinline__ void mma_m16n8k16<__half>(float (&c)[4], const unsign
 template <>
 __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&c)[4], const unsigned (&a)[4], unsigned b0,
                                                             unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
@@ -74,6 +76,21 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned add
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
+}
+
+// c0 += a b and c1 += a b' for two neighbouring n-tiles whose B fragments one ldmatrix.x4
+// (TRANS: .x4.trans) gives at `addr`: registers 0 and 1 are b[0], b[1] of the first n-tile,
+// registers 2 and 3 those of the second. The lanes' addresses decide which is which.
+template <typename T, bool TRANS>
+__device__ __forceinline__ void mma_m16n16k16(float (&c0)[4], float (&c1)[4], const unsigned (&a)[4], unsigned addr) {
+    unsigned b[4];
+    if constexpr (TRANS) {
+        ldmatrix_x4_trans(b, addr);
+    } else {
+        ldmatrix_x4(b, addr);
+    }
+    mma_m16n8k16<T>(c0, a, b[0], b[1]);
+    mma_m16n8k16<T>(c1, a, b[2], b[3]);
 }
 
 // ---------------------------------------------------------------------------------------
