@@ -14,8 +14,9 @@ from . import _build, _checks
 from ._build import f32, i32, i64
 
 _SRC = "flash_attention.cu"
-_BR = 64  # query rows per block (flash_attention.cu)
-_THREADS = 128
+_BR = 64  # query rows per block (flash_attention.cu: BR)
+_BC = 64  # keys per tile (flash_attention.cu: BC)
+_THREADS = 2 * _BR  # a warp per 16 query rows
 HEAD_DIMS = (64, 128)
 DTYPES = tuple(d for d, c in _build.CTYPES.items() if c != "float")  # 16-bit storage only
 
@@ -31,7 +32,7 @@ _build.declare(
 
 
 def _smem_bytes(head_dim: int) -> int:
-    return 4 * _BR * head_dim * 2  # two K and two V tiles of 64 rows, 16-bit elements
+    return 4 * _BC * head_dim * 2  # two K and two V tiles of 16-bit elements
 
 
 def _strides(a, name: str) -> tuple[int, int, int]:

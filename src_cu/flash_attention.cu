@@ -18,7 +18,7 @@
 //   O += P V      P's C fragments, rounded to T in pairs, are the A fragments of this mma
 //                 (no shared memory); V's B fragments come from ldmatrix.trans.
 // K and V tiles are double-buffered: tile j + 1 is copied by cp.async while tile j is
-// computed, one barrier per tile. Q is staged in the second K buffer before tile 1 needs
+// computed, one barrier per tile. Q is staged in the second buffer before tile 1 needs
 // it. Shared tiles are row-major with 16-byte chunks XOR-swizzled (mma.cuh). Ragged tiles:
 // rows past Tq or Tk are zero-filled by cp.async and keys >= Tk score -inf. Causal: key
 // tiles above the diagonal are never loaded, and only tiles that cross it (or Tk) are masked.
@@ -38,12 +38,14 @@ using namespace g2c;
 namespace {
 // 64 x 64 tiles, 4 warps of 16 query rows: the seed series' shape, small enough to keep Q's
 // fragments in registers at D = 128 (32 registers, + 64 for O and 32 for S) and square so
-// that a causal query tile crosses the diagonal in one or two key tiles. Not measured yet.
+// that a causal query tile crosses the diagonal in one or two key tiles. Not measured yet;
+// BR = 128 (8 warps sharing each K and V tile: half the L2 traffic, one block per SM at
+// D = 128) is the first alternative to measure, and needs only the wrapper's _BR to follow.
 constexpr int BR = 64;  // query rows per block
 constexpr int BC = 64;  // keys per tile
 constexpr int WARPS = BR / 16;
 constexpr int THREADS = 32 * WARPS;
-static_assert(BR == BC, "the Q tile is staged in a K buffer of the same size");
+static_assert(BR <= 2 * BC, "the Q tile is staged in the second K and V buffers");
 }  // namespace
 
 // cp.async copies of ROWS-row tiles of one [n_rows, D] matrix (row stride `stride` elements)
@@ -103,14 +105,15 @@ __global__ void __launch_bounds__(THREADS)
     static_assert(sizeof(T) == 2, "16-bit storage types only");
     constexpr int CHUNKS = D / 8;      // 16-byte chunks per row of a tile
     constexpr int ROW = D * 2;         // bytes of one row of a tile
-    constexpr int TILE = BC * ROW;     // bytes of one K or V tile (and of the Q tile)
+    constexpr int TILE = BC * ROW;     // bytes of one K or V tile
     constexpr int KSTEPS = D / 16;     // k-steps of S = Q K^T
     constexpr int S_TILES = BC / 8;    // n-tiles of S (8 keys each)
     constexpr int O_TILES = D / 8;     // n-tiles of O (8 columns each)
     constexpr int P_STEPS = BC / 16;   // k-steps of O += P V
-    // K buffer s at s * TILE, V buffer s at (2 + s) * TILE; Q waits in K buffer 1
+    // buffer s (s = 0, 1) holds a K tile at 2 s TILE and a V tile at (2 s + 1) TILE; Q waits
+    // in buffer 1 until tile 1 arrives
     extern __shared__ __align__(128) unsigned char smem[];
-    const unsigned k_buf = smem_addr(smem), v_buf = k_buf + 2 * TILE, q_buf = k_buf + TILE;
+    const unsigned k_buf = smem_addr(smem), v_buf = k_buf + TILE, q_buf = k_buf + 2 * TILE;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -166,12 +169,12 @@ __global__ void __launch_bounds__(THREADS)
         cp_async_wait<0>();  // tile j has landed (this thread's copies) ...
         __syncthreads();     // ... and everyone's; every warp is done with tile j - 1 and Q
         if (j + 1 < n_tiles) {
-            const unsigned next = ((j + 1) % 2) * TILE;
+            const unsigned next = ((j + 1) % 2) * 2 * TILE;
             k_loader.load(k_buf + next, (j + 1) * BC);
             v_loader.load(v_buf + next, (j + 1) * BC);
             cp_async_commit();
         }
-        const unsigned k_tile = k_buf + (j % 2) * TILE, v_tile = v_buf + (j % 2) * TILE;
+        const unsigned k_tile = k_buf + (j % 2) * 2 * TILE, v_tile = v_buf + (j % 2) * 2 * TILE;
         const int k0 = j * BC;
 
         // S = Q K^T. The four matrices of keys 16n .. 16n+15 are b0, b1 of n-tile 2n, then of 2n+1
