@@ -8,6 +8,7 @@ float32, float16 and bfloat16; arithmetic and reductions are float32.
 from .attention import causal_attention
 from .decode_attention import decode_attention
 from .embedding import embedding
+from .flash_attention import flash_attention
 from .gelu import bias_add, bias_gelu
 from .kv_cache import kv_advance, kv_append, kv_storage_dtype
 from .layernorm import layernorm, layernorm_residual
@@ -22,6 +23,7 @@ __all__ = [
     "causal_attention",
     "decode_attention",
     "embedding",
+    "flash_attention",
     "kv_advance",
     "kv_append",
     "kv_storage_dtype",

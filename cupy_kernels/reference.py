@@ -21,6 +21,7 @@ __all__ = [
     "softmax",
     "embedding",
     "linear",
+    "attention",
     "causal_attention",
     "decode_attention",
     "quantize_kv",
@@ -125,21 +126,33 @@ def softmax(x, scale: float = 1.0, causal: bool = False) -> np.ndarray:
     return e / np.where(denom > 0, denom, 1.0)
 
 
-def causal_attention(q, k, v, scale: float | None = None) -> np.ndarray:
-    """Causal attention. q [B, H, Tq, D], k/v [B, H, Tk, D] with Tk >= Tq;
-    query t sees keys <= t + (Tk - Tq). Returns [B, H, Tq, D]."""
+def attention(q, k, v, causal: bool, scale: float | None = None) -> np.ndarray:
+    """Attention. q [B, H, Tq, D], k/v [B, H, Tk, D]; ``scale`` defaults to 1/sqrt(D).
+
+    With ``causal=True`` query i sees keys j <= i + (Tk - Tq) (bottom-right aligned, any
+    Tq and Tk); a query that sees no key (i < Tq - Tk) gives zeros, as does every query
+    when Tk = 0. Returns [B, H, Tq, D]."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"expected q, k, v of rank 4 with k.shape == v.shape, got {q.shape}, {k.shape}, {v.shape}")
     if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on B, H or D")
-    if k.shape[2] < q.shape[2]:
-        raise ValueError(f"need Tk >= Tq, got Tq={q.shape[2]}, Tk={k.shape[2]}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if k.shape[2] == 0:
+        return np.zeros(q.shape)
     att = q @ k.swapaxes(-1, -2)  # [B, H, Tq, Tk]
-    att = softmax(att, scale=scale, causal=True)  # [B, H, Tq, Tk]
+    att = softmax(att, scale=scale, causal=causal)  # [B, H, Tq, Tk]
     return att @ v  # [B, H, Tq, D]
+
+
+def causal_attention(q, k, v, scale: float | None = None) -> np.ndarray:
+    """Causal attention (``attention`` with ``causal=True``) for Tk >= Tq: query t sees keys
+    <= t + (Tk - Tq). q [B, H, Tq, D], k/v [B, H, Tk, D]; returns [B, H, Tq, D]."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    if q.ndim == k.ndim == 4 and k.shape[2] < q.shape[2]:
+        raise ValueError(f"need Tk >= Tq, got Tq={q.shape[2]}, Tk={k.shape[2]}")
+    return attention(q, k, v, causal=True, scale=scale)
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, scale: float | None = None, alibi_slopes=None) -> np.ndarray:

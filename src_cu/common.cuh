@@ -124,6 +124,14 @@ __device__ __forceinline__ float block_max(float x, float* scratch) {
 
 constexpr float LOG2E = 1.4426950408889634f;
 
+// 2^x in one instruction (ex2.approx.ftz: ~2 ulp, 2^-inf = 0, results below 2^-126 flush to 0),
+// where exp2f adds a range check and two multiplies to return subnormal results.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // GELU, tanh form (GPT-2's "gelu_new"): 0.5 v (1 + tanh(u)), u = sqrt(2/pi) (v + 0.044715 v^3),
 // computed as v / (1 + exp(-2u)) (the same function: 0.5 (1 + tanh(u)) = sigmoid(2u)) with
 // the hardware exponential: ~8 instructions instead of tanhf's ~25, which at half precision

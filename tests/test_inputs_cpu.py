@@ -21,6 +21,11 @@ def test_kernels_reject_host_arrays_naming_the_argument():
         K.argmax(x)
     with pytest.raises(TypeError, match="q must be a cupy.ndarray"):
         K.causal_attention([1, 2], None, None)
+    with pytest.raises(TypeError, match="q must be a cupy.ndarray"):
+        K.flash_attention([1, 2], None, None)
+    q = np.ones((1, 4, 2, 64), np.float16)
+    with pytest.raises(TypeError, match="q must live on the GPU"):
+        K.flash_attention(q, q, q)
 
 
 @pytest.mark.parametrize("ids,rows", [([1, 2, 3], [[1, 2, 3]]), ([[5], [6, 7]], [[5], [6, 7]]),

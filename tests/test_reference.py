@@ -216,6 +216,43 @@ def test_causal_attention_bottom_right_alignment():
         ref.causal_attention(q_full, k[:, :, :5], v[:, :, :5])
 
 
+@pytest.mark.parametrize("tq,tk", [(6, 6), (3, 8), (1, 5), (8, 5), (4, 1)])
+def test_attention_bottom_right_mask(tq, tk):
+    """causal: query i sees keys j <= i + (tk - tq); a query that sees none gives zeros."""
+    r = _rng(10)
+    q, k, v = r.normal(size=(2, 3, tq, 8)), r.normal(size=(2, 3, tk, 8)), r.normal(size=(2, 3, tk, 8))
+    got = ref.attention(q, k, v, causal=True, scale=0.4)
+    assert got.shape == (2, 3, tq, 8)
+    for i in range(tq):
+        n = i + (tk - tq) + 1  # keys 0 .. n - 1 are visible
+        if n <= 0:
+            assert np.all(got[:, :, i] == 0.0)
+            continue
+        s = np.einsum("bhd,bhjd->bhj", q[:, :, i], k[:, :, :n]) * 0.4
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = np.einsum("bhj,bhjd->bhd", p / p.sum(-1, keepdims=True), v[:, :, :n])
+        np.testing.assert_allclose(got[:, :, i], want, rtol=1e-12, atol=1e-14)
+
+
+def test_attention_causal_equals_causal_attention_and_plain_matches_sdpa():
+    r = _rng(11)
+    q, k, v = (r.normal(size=(2, 3, 9, 16)) for _ in range(3))
+    np.testing.assert_array_equal(ref.attention(q, k, v, causal=True), ref.causal_attention(q, k, v))
+    np.testing.assert_array_equal(ref.attention(q[:, :, -4:], k, v, causal=True),
+                                  ref.causal_attention(q[:, :, -4:], k, v))
+    tq, tk, tv = (torch.from_numpy(a) for a in (q[:, :, :5], k, v))
+    want = F.scaled_dot_product_attention(tq, tk, tv, scale=0.3).numpy()
+    np.testing.assert_allclose(ref.attention(q[:, :, :5], k, v, causal=False, scale=0.3), want,
+                               rtol=1e-11, atol=1e-12)
+
+
+def test_attention_without_keys_is_zero():
+    q = _rng(12).normal(size=(1, 2, 3, 8))
+    empty = np.zeros((1, 2, 0, 8))
+    for causal in (False, True):
+        assert np.all(ref.attention(q, empty, empty, causal=causal) == 0.0)
+
+
 def test_decode_attention_matches_last_causal_row():
     r = _rng(8)
     B, H, S_max, D = 3, 4, 12, 16
