@@ -86,16 +86,31 @@ def launch_config(dtype, cache_dtype, B: int, H: int, H_kv: int, D: int, S_max: 
 
 
 _COUNTERS: dict[tuple[int, int], cupy.ndarray] = {}
+_SCRATCH: dict[tuple[int, int], cupy.ndarray] = {}
+
+
+def _stream_buffer(cache: dict, n: int, dtype, zeroed: bool) -> cupy.ndarray:
+    """At least n elements of a buffer kept per (device, current stream): launches on one
+    stream run one after another, so they can share it, and no call allocates once it
+    has grown (an allocation inside the call could make the host wait for the GPU)."""
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    buf = cache.get(key)
+    if buf is None or buf.size < n:
+        size = max(n, 1024, 0 if buf is None else 2 * buf.size)
+        buf = cache[key] = cupy.zeros(size, dtype) if zeroed else cupy.empty(size, dtype)
+    return buf
 
 
 def _counters(n: int) -> cupy.ndarray:
-    """n zeroed uint32 counters for the last-block merge, shared by the launches on the
-    current stream (which run one after another). Each launch leaves them zero again."""
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.size < n:
-        buf = _COUNTERS[key] = cupy.zeros(max(n, 1024), dtype=numpy.uint32)
-    return buf
+    """n zeroed uint32 counters for the last-block merge; each launch leaves them zero."""
+    return _stream_buffer(_COUNTERS, n, numpy.uint32, zeroed=True)[:n]
+
+
+def _partials(splits: int, B: int, H: int, D: int) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """Scratch for the splits' outputs [splits, B, H, D] and log2-sum-exps [splits, B, H]."""
+    n = splits * B * H
+    buf = _stream_buffer(_SCRATCH, n * (D + 1), numpy.float32, zeroed=False)
+    return buf[: n * D].reshape(splits, B, H, D), buf[n * D : n * (D + 1)].reshape(splits, B, H)
 
 
 def _or_null(*arrays):
@@ -160,9 +175,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     kern, blocks, splits = launch_config(q.dtype, k_cache.dtype, B, H, H_kv, D, S_max)
     splits = num_splits or splits
     part_o = part_lse = counters = None
-    if splits > 1:  # workspaces; kept alive by a recorded plan's arguments
-        part_o = cupy.empty((splits, B, H, D), dtype=numpy.float32)
-        part_lse = cupy.empty((splits, B, H), dtype=numpy.float32)
+    if splits > 1:  # scratch; a recorded plan's arguments keep it alive
+        part_o, part_lse = _partials(splits, B, H, D)
         if merge == "last-block":
             counters = _counters(B * blocks)
     kern((blocks, B, splits), (_THREADS,),

@@ -5,7 +5,8 @@ Linear weights are stored (out, in), the transpose of GPT-2's Conv1D layout, so 
 decode step's row kernels stream each weight row once and the LM head reads ``wte`` as is.
 
 Prefill runs each prompt on its own (cuBLAS matrix products through CuPy, the project's
-kernels for everything else), so a prompt's numbers never depend on what it is batched
+kernels for everything else: attention on tensor cores in float16 / bfloat16, on CUDA
+cores in float32), so a prompt's numbers never depend on what it is batched
 with. The decode step runs every sequence at once on preallocated buffers with the
 project's kernels only: it is recorded once as a launch plan and replayed for each token,
 optionally as a CUDA graph.
@@ -218,7 +219,10 @@ class GPT2:
             q, k, v = (qkv.reshape(1, T, 3, H, D)[:, :, j] for j in range(3))  # [1, T, H, D] views
             if cache is not None:
                 K.kv_append(k=k, v=v, start=start, slots=slots, **cache.layer(i))
-            a = K.causal_attention(q, k, v)  # [1, T, H, D]
+            if self.dtype.itemsize == 2:  # float16 / bfloat16: tensor cores
+                a = K.flash_attention(q, k, v, causal=True)  # [1, T, H, D]
+            else:
+                a = K.causal_attention(q, k, v)  # [1, T, H, D]
             y = self._matmul(a.reshape(T, C), blk.attn_proj_w)  # [T, C]
             x, h = K.layernorm_residual(x, y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b,
                                         eps=eps, sum_out=x)
