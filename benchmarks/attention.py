@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cupy_kernels as K
-from benchmarks.common import RESULTS, banner, device_slug, time_gpu, write_results
+from benchmarks.common import banner, plot_series, save_figure, subplots, time_gpu, write_results
 from cupy_kernels import _build
 
 DTYPES = {"float32": (np.float32, torch.float32), "float16": (np.float16, torch.float16),
@@ -98,29 +98,16 @@ def measure(rows, dtype, B, H, D, S, causal):
 
 
 def plot(rows):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     groups = [(d, c, hd) for d in DTYPES for c, hd in ((True, 64), (False, 128))]
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    fig, axes = subplots(2, 3, figsize=(16, 8.5))
     for ax, (dtype, causal, hd) in zip(axes.T.flat, groups):
-        sel = [r for r in rows if r["dtype"] == dtype and r["causal"] == causal and r["head_dim"] == hd and "TFLOPs" in r]
-        for impl in dict.fromkeys(r["impl"] for r in sel):
-            pts = sorted((r["seq"], r["TFLOPs"]) for r in sel if r["impl"] == impl)
-            ax.plot(*zip(*pts), marker="o", label=impl)
-        ax.set_xscale("log", base=2)
+        plot_series(ax, [r for r in rows if r["dtype"] == dtype and r["causal"] == causal and r["head_dim"] == hd
+                         and "TFLOPs" in r], "seq", "TFLOPs", log_base=2)
         ax.set_title(f"{dtype}, hd{hd}, {'causal' if causal else 'non-causal'}")
         ax.set_xlabel("sequence length S")
         ax.set_ylabel("TFLOP/s")
-        ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = RESULTS / f"attention-{device_slug()}.png"
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save_figure(fig, "attention")
 
 
 def main():

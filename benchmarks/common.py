@@ -132,3 +132,36 @@ def write_results(bench: str, rows: list[dict], ceilings: dict, **extra) -> Path
            "versions": versions(), "ceilings": ceilings, "rows": rows, **extra}
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return path
+
+
+# ---------------------------------------------------------------------------------------
+# plots: one line per implementation, against a size on a log axis
+# ---------------------------------------------------------------------------------------
+def subplots(nrows: int, ncols: int, **kwargs):
+    """A matplotlib figure and its axes, drawn without a display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(nrows, ncols, **kwargs)
+
+
+def plot_series(ax, rows: list[dict], x: str, y: str, label=lambda r: r["impl"], log_base: int = 10) -> None:
+    """One marked line per distinct ``label(row)``: ``y`` against ``x``, x on a log axis."""
+    for name in dict.fromkeys(label(r) for r in rows):
+        pts = sorted((r[x], r[y]) for r in rows if label(r) == name)
+        ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=log_base)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def save_figure(fig, name: str) -> Path:
+    """benchmarks/results/<name>-<device>.png"""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = RESULTS / f"{name}-{device_slug()}.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 import cupy_kernels as K
-from benchmarks.common import RESULTS, banner, copy_ceiling_GBps, device_slug, time_gpu, time_in_graph, write_results
+from benchmarks.common import (banner, copy_ceiling_GBps, plot_series, save_figure, subplots, time_gpu, time_in_graph,
+                               write_results)
 from cupy_kernels import _build
 from cupy_kernels.decode_attention import launch_config
 
@@ -183,29 +184,16 @@ def generation_agreement(n_new=512):
 
 
 def plot(rows, ceiling):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    fig, axes = subplots(1, 2, figsize=(13, 4.5), sharey=True)
     for ax, group in zip(axes, ("article", "gqa")):
-        sel = [r for r in rows if r.get("group") == group and r["batch"] == 1 and not r["graph"]]
-        for impl, kv in dict.fromkeys((r["impl"], r["kv_dtype"]) for r in sel):
-            pts = sorted((r["seq"], r["GBps"]) for r in sel if r["impl"] == impl and r["kv_dtype"] == kv)
-            ax.plot(*zip(*pts), marker="o", label=f"{impl} (kv {kv})")
+        plot_series(ax, [r for r in rows if r.get("group") == group and r["batch"] == 1 and not r["graph"]],
+                    "seq", "GBps", label=lambda r: f"{r['impl']} (kv {r['kv_dtype']})", log_base=2)
         ax.axhline(ceiling, color="k", linestyle="--", label="copy ceiling (same run)")
-        ax.set_xscale("log", base=2)
         ax.set_title(f"decode attention, batch 1, {'32 heads' if group == 'article' else '32 q / 8 kv heads'}, hd128")
         ax.set_xlabel("cache length S")
-        ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("GB/s (K and V bytes read / time)")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    path = RESULTS / f"decode_attention-{device_slug()}.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, "decode_attention")
 
 
 def main():

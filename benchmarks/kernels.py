@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import cupy_kernels as K
-from benchmarks.common import RESULTS, banner, copy_ceiling_GBps, device_slug, time_gpu, time_in_graph, write_results
+from benchmarks.common import (banner, copy_ceiling_GBps, plot_series, save_figure, subplots, time_gpu, time_in_graph,
+                               write_results)
 from cupy_kernels import _build
 
 DTYPES = {"float32": (np.float32, torch.float32), "float16": (np.float16, torch.float16),
@@ -126,32 +127,19 @@ def time_numpy(fn, reps=3) -> float:
 
 
 def plot(rows, ceiling):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     paths = []
     for bench in dict.fromkeys(r["bench"] for r in rows):
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+        fig, axes = subplots(1, 3, figsize=(15, 4.5), sharey=True)
         for ax, dtype in zip(axes, DTYPES):
-            sel = [r for r in rows if r["bench"] == bench and r["dtype"] == dtype and not r["graph"]]
-            for impl in dict.fromkeys(r["impl"] for r in sel):
-                pts = sorted((r["elements"], r["GBps"]) for r in sel if r["impl"] == impl)
-                ax.plot(*zip(*pts), marker="o", label=impl)
+            plot_series(ax, [r for r in rows if r["bench"] == bench and r["dtype"] == dtype and not r["graph"]],
+                        "elements", "GBps")
             ax.axhline(ceiling, color="k", linestyle="--", label="copy ceiling (same run)")
-            ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_title(f"{bench}, {dtype}")
             ax.set_xlabel("elements (rows x cols)")
-            ax.grid(True, which="both", alpha=0.3)
         axes[0].set_ylabel("GB/s (bytes that must move / time)")
         axes[0].legend(fontsize=8)
-        fig.tight_layout()
-        path = RESULTS / f"kernels-{bench}-{device_slug()}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, f"kernels-{bench}"))
     return paths
 
 
