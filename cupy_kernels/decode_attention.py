@@ -1,7 +1,7 @@
 """Decoding attention: one new query per sequence and head against the KV cache, with
 GQA / MQA, optional ALiBi, int8 / fp8 caches and a split over long caches.
 
-Kernel: ``src_cu/decode_attention.cu``. Tests: ``tests/test_kernels_gpu.py``.
+Kernel: ``src_cu/decode_attention.cu``. Tests: ``tests/test_decode_attention_gpu.py``.
 Benchmark: ``benchmarks/decode_attention.py``.
 """
 
@@ -16,7 +16,7 @@ import numpy
 
 from . import _build, _checks
 from ._build import f32, i32, i64
-from .kv_cache import KV_CTYPES, cache_ctype, check_scales
+from .kv_cache import KV_CTYPES, cache_array, check_scales
 
 _SRC = "decode_attention.cu"
 HEAD_DIMS = (64, 128)
@@ -140,10 +140,10 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     B, H, D = q.shape
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim {D} is not supported; supported: {HEAD_DIMS}")
-    kv_type = cache_ctype(k_cache, "k_cache", q.dtype, ndim=4)
-    if cache_ctype(v_cache, "v_cache", q.dtype, ndim=4) != kv_type:
+    (k_cache, kv_type), (v_cache, v_type) = (cache_array(c, n, q.dtype, ndim=4)
+                                             for c, n in ((k_cache, "k_cache"), (v_cache, "v_cache")))
+    if v_type != kv_type:
         raise TypeError(f"v_cache has dtype {v_cache.dtype} but k_cache has {k_cache.dtype}")
-    k_cache, v_cache = _checks.as_array(k_cache, "k_cache"), _checks.as_array(v_cache, "v_cache")
     _checks.check_shape(v_cache, "v_cache", k_cache.shape)
     B_cache, H_kv, S_max, D_cache = k_cache.shape
     if D_cache != D or B_cache < B:

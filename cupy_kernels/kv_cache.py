@@ -1,13 +1,13 @@
 """KV-cache append, in the model's dtype or quantized to int8 / fp8 e4m3.
 
-Kernel: ``src_cu/kv_cache.cu`` (formats: ``src_cu/kv.cuh``). Tests: ``tests/test_kernels_gpu.py``.
+Kernel: ``src_cu/kv_cache.cu`` (formats: ``src_cu/kv.cuh``). Tests: ``tests/test_kernels_gpu.py``,
+``tests/test_decode_attention_gpu.py`` (quantized).
 """
 
 from __future__ import annotations
 
 import itertools
 
-import cupy
 import numpy
 
 from . import _build, _checks
@@ -50,16 +50,16 @@ def kv_storage_dtype(kv_dtype, dtype) -> numpy.dtype:
     return KV_DTYPES[name]
 
 
-def cache_ctype(cache, name: str, dtype, ndim: int) -> str:
-    """The C++ element type of a contiguous cache array: ``dtype``'s own, or a quantized format."""
+def cache_array(cache, name: str, dtype, ndim: int):
+    """(the contiguous cache array, its C++ element type): ``dtype``'s own, or a quantized format."""
     cache = _checks.as_array(cache, name)
     _checks.check_ndim(cache, name, ndim)
     if not cache.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous (got strides {cache.strides})")
     if cache.dtype == numpy.dtype(dtype):
-        return _build.ctype(dtype)
+        return cache, _build.ctype(dtype)
     if cache.dtype in KV_CTYPES:
-        return KV_CTYPES[cache.dtype]
+        return cache, KV_CTYPES[cache.dtype]
     raise TypeError(f"{name} has dtype {cache.dtype}: expected {numpy.dtype(dtype)} (the inputs' dtype), "
                     "int8 or uint8 (fp8 e4m3)")
 
@@ -107,10 +107,10 @@ def kv_append(k_cache, v_cache, k, v, start, *, slots=None, seq_lens=None, k_sca
     k = _checks.float_array(k, "k", ndim=4, contiguous=False)
     v = _checks.float_array(v, "v", ndim=4, contiguous=False)
     _checks.same_dtype(k, "k", v=v)
-    kv_type = cache_ctype(k_cache, "k_cache", k.dtype, ndim=4)
-    if cache_ctype(v_cache, "v_cache", k.dtype, ndim=4) != kv_type:
+    (k_cache, kv_type), (v_cache, v_type) = (cache_array(c, n, k.dtype, ndim=4)
+                                             for c, n in ((k_cache, "k_cache"), (v_cache, "v_cache")))
+    if v_type != kv_type:
         raise TypeError(f"v_cache has dtype {v_cache.dtype} but k_cache has {k_cache.dtype}")
-    k_cache, v_cache = _checks.as_array(k_cache, "k_cache"), _checks.as_array(v_cache, "v_cache")
     _checks.check_shape(v_cache, "v_cache", k_cache.shape)
     quantized = kv_type in KV_CTYPES.values()
     k_scale, v_scale = check_scales(quantized, k_cache, k_scale, v_scale)

@@ -38,7 +38,6 @@ def softmax(x, *, scale: float = 1.0, causal: bool = False, out=None) -> cupy.nd
     if x.ndim < (2 if causal else 1):
         raise ValueError(f"x must have {'2' if causal else '1'} or more dimensions, got shape {x.shape}")
     out = _checks.output(out, "out", x.shape, x.dtype)
-    cols = x.shape[-1]
     if x.size == 0:
         return out
     _launch(out, x, x.shape[-2] if causal else 1, causal, scale)

@@ -16,14 +16,14 @@
 // rescale per UNROLL keys). The groups' partial results are merged through shared memory.
 // Split: blockIdx.z takes one of gridDim.z equal chunks of the sequence (multiples of the
 // block's key tile). With one split the block writes out; otherwise it writes its output,
-// normalized, and its log2-sum-exp to float32 workspaces and decode_attention_merge_kernel
-// combines the chunks.
+// normalized, and its log2-sum-exp to float32 scratch, and the chunks are combined either
+// by the last block of the heads to finish (given counters) or by decode_attention_merge_kernel.
 // Bytes: the K and V rows of each sequence once (2 len D sizeof(KT) per KV head, + scales);
 // FLOPs 4 len D per query head.
 //
 // Specializations: T in {float, __half, __nv_bfloat16} x KT in {T, signed char, __nv_fp8_e4m3}
 // x D in {64, 128} x QPB in {1, 2, 4}.
-// Wrapper: cupy_kernels/decode_attention.py   Tests: tests/test_kernels_gpu.py
+// Wrapper: cupy_kernels/decode_attention.py   Tests: tests/test_decode_attention_gpu.py
 // Benchmark: benchmarks/decode_attention.py
 #include "kv.cuh"
 
@@ -48,10 +48,25 @@ __device__ __forceinline__ void load_query(const T* p, float mul, float (&out)[V
     }
 }
 
+// out[row, d] = sum_i w_i o_i[row, d] / sum_i w_i over the splits, w_i = 2^(lse_i - max lse).
+// Loads bypass L1 (__ldcg): the partial results were written by other blocks.
 template <typename T, int D>
 __device__ __forceinline__ void merge_splits(T* __restrict__ out, const float* __restrict__ part_o,
                                              const float* __restrict__ part_lse, long long row, int rows,
-                                             int splits, int d);
+                                             int splits, int d) {
+    float mx = -INFINITY;
+    for (int i = 0; i < splits; ++i) mx = fmaxf(mx, __ldcg(part_lse + i * static_cast<long long>(rows) + row));
+    float sum = 0.0f, o = 0.0f;
+    if (mx != -INFINITY) {
+        for (int i = 0; i < splits; ++i) {
+            const long long part = i * static_cast<long long>(rows) + row;
+            const float w = exp2f(__ldcg(part_lse + part) - mx);
+            sum += w;
+            o = fmaf(w, __ldcg(part_o + part * D + d), o);
+        }
+    }
+    out[row * D + d] = from_float<T>(sum > 0.0f ? o / sum : 0.0f);
+}
 
 template <typename T, typename KT, int D, int QPB>
 __global__ void __launch_bounds__(THREADS)
@@ -219,26 +234,6 @@ __global__ void __launch_bounds__(THREADS)
         const long long row = static_cast<long long>(b) * H + h0 + e / D;
         merge_splits<T, D>(out, part_o, part_lse, row, gridDim.y * H, splits, e % D);
     }
-}
-
-// out[row, d] = sum_i w_i o_i[row, d] / sum_i w_i over the splits, w_i = 2^(lse_i - max lse).
-// Loads bypass L1 (__ldcg): the partial results were written by other blocks.
-template <typename T, int D>
-__device__ __forceinline__ void merge_splits(T* __restrict__ out, const float* __restrict__ part_o,
-                                             const float* __restrict__ part_lse, long long row, int rows,
-                                             int splits, int d) {
-    float mx = -INFINITY;
-    for (int i = 0; i < splits; ++i) mx = fmaxf(mx, __ldcg(part_lse + i * static_cast<long long>(rows) + row));
-    float sum = 0.0f, o = 0.0f;
-    if (mx != -INFINITY) {
-        for (int i = 0; i < splits; ++i) {
-            const long long part = i * static_cast<long long>(rows) + row;
-            const float w = exp2f(__ldcg(part_lse + part) - mx);
-            sum += w;
-            o = fmaf(w, __ldcg(part_o + part * D + d), o);
-        }
-    }
-    out[row * D + d] = from_float<T>(sum > 0.0f ? o / sum : 0.0f);
 }
 
 // The merge as a kernel of its own, for launches without counters: one block of D

@@ -16,7 +16,7 @@
 //
 // Specializations: T in {float, __half, __nv_bfloat16} x VEC in {1, 16/sizeof(T)};
 // quantized: T x KT in {signed char, __nv_fp8_e4m3} x D in {64, 128}.
-// Wrapper: cupy_kernels/kv_cache.py   Tests: tests/test_kernels_gpu.py
+// Wrapper: cupy_kernels/kv_cache.py   Tests: tests/test_kernels_gpu.py (quantized: tests/test_decode_attention_gpu.py)
 #include "kv.cuh"
 
 using namespace g2c;

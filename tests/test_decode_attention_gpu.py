@@ -15,7 +15,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 import cupy_kernels as K  # noqa: E402
 from cupy_kernels import reference as ref  # noqa: E402
 from cupy_kernels.decode_attention import _COUNTERS  # noqa: E402
-from gpu_util import DTYPES, TOL, check, poisoned, rand  # noqa: E402
+from gpu_util import DTYPES, check, poisoned, rand  # noqa: E402
 
 KV = {"plain": None, "int8": "int8", "fp8": "float8_e4m3"}
 
