@@ -22,14 +22,26 @@ _SRC = "decode_attention.cu"
 HEAD_DIMS = (64, 128)
 _THREADS = 128
 _UNROLL = 4  # decode_attention.cu
-_QPB = (4, 2, 1)  # query heads per block that share one K/V row: the largest dividing H / H_kv
-_MAX_SPLITS = 128
+_QPB = (4, 2, 1)  # query heads per block that share one K/V row
+# Grouped heads (32 query / 8 KV heads, hd128, fp16, best split each, H100, cold L2): four
+# query heads per block read each K/V row once but leave few blocks to run; two per block
+# read it twice (the second time from L2). B=1: S=1024 13.4 / 11.4 us (4 / 2 per block),
+# S=4096 20.9 / 18.2, S=32768 70.8 / 72.5; B=4, S=4096 41.3 / 45.6. So 4 per block from
+# this many cached rows in the batch (B x S_max) on, else 2.
+_QPB4_ROWS = 16384
+_MAX_SPLITS = 128  # decode_attention.cu: MAX_SPLITS
 # Blocks per SM the split aims for. Measured on an H100 (fp16, hd128, 128 threads, one
 # query head per block, up to 9 resident): at B=1, 32 heads, S=32768, 16 splits (3.9
 # blocks / SM) took 193.6 us, 32 splits 192.3 us, 38 splits (one full wave + a ragged
 # second: the old "fill every slot" rule) 213 us, 64 splits 196 us; at S=4096 16 and 32
 # splits tied (38 us) and 64 lost (40 us); GPT-2 (12 x hd64) at S=1024 was fastest at 8-16.
 _BLOCKS_PER_SM = 4
+# A cache of at most this many loop trips is not split: the splits' merge costs more than
+# the trips it saves. On an H100, cold L2, fp16 (decode_attention.cu pipelines trips):
+# 32 heads x hd128 (32-key trips) at S=128: 1 split 7.79 us, 4 splits 8.38; at B=4 9.57 /
+# 11.52; GPT-2 (12 x hd64, 64-key trips) at S=256: 1 split 7.39, 4 splits 7.87; at S=512
+# (8 trips) 1 split 9.70, 8 splits 8.35.
+_UNSPLIT_TRIPS = 4
 
 
 def _name(c_type: str, kv_type: str, head_dim: int, qpb: int) -> str:
@@ -67,19 +79,23 @@ def _resident_blocks(kern_ptr: int) -> int:
 def choose_splits(kern, blocks: int, max_len: int, tile: int) -> int:
     """Chunks per sequence: as many as keep ``blocks`` (sequences x head groups) x splits
     within one wave of _BLOCKS_PER_SM blocks per SM (or fewer if fewer fit), never a
-    chunk shorter than one loop trip of ``tile`` keys. Big batches and short caches stay
-    unsplit."""
+    chunk shorter than one loop trip of ``tile`` keys. Big batches and short caches
+    (at most _UNSPLIT_TRIPS trips) stay unsplit."""
+    trips = _build.cdiv(max_len, tile)
+    if trips <= _UNSPLIT_TRIPS:
+        return 1
     raw = getattr(kern, "raw", kern)
     per_sm = min(_BLOCKS_PER_SM, _resident_blocks(raw.kernel.ptr))
     wave = _build.sm_count(cupy.cuda.Device().id) * per_sm
-    return max(1, min(wave // blocks, _build.cdiv(max_len, tile), _MAX_SPLITS))
+    return max(1, min(wave // blocks, trips, _MAX_SPLITS))
 
 
 def launch_config(dtype, cache_dtype, B: int, H: int, H_kv: int, D: int, S_max: int):
     """(kernel, blocks per sequence, splits) that decode_attention launches for these sizes."""
     c_type = _build.ctype(dtype)
     kv_type = c_type if numpy.dtype(cache_dtype) == numpy.dtype(dtype) else KV_CTYPES[numpy.dtype(cache_dtype)]
-    qpb = next(n for n in _QPB if (H // H_kv) % n == 0)
+    group = H // H_kv
+    qpb = next(n for n in _QPB if group % n == 0 and (n < 4 or B * S_max >= _QPB4_ROWS))
     kern = _build.kernel(_SRC, _name(c_type, kv_type, D, qpb))
     blocks = H // qpb
     return kern, blocks, choose_splits(kern, blocks * B, S_max, _tile(numpy.dtype(cache_dtype).itemsize, D))
@@ -129,8 +145,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     [B_cache, H_kv, S_max], one scale per row (kv_append writes them). seq_lens: int32 [B],
     the valid cache rows of each sequence (1 <= len <= S_max, not checked on the GPU).
     alibi_slopes: optional float32 [H]; adds slope_h * (s - len + 1) to the score of key s.
-    D in {64, 128}. num_splits: chunks per sequence (default: chosen from B, heads, S_max
-    and the GPU's SM count). merge: how split chunks are combined: 'last-block' (the last
+    D in {64, 128}. num_splits: chunks per sequence, 1 to 128 (default: chosen from B,
+    heads, S_max and the GPU's SM count). merge: how split chunks are combined: 'last-block' (the last
     block of a head to finish merges them, one launch) or 'kernel' (a second small kernel;
     inside a replayed CUDA graph, where a launch costs less, measured 0.2-0.3 us faster
     per call for GPT-2's shape on an H100, and 1-2 us slower outside one).
@@ -164,8 +180,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
         raise ValueError(f"q must be contiguous over (heads, head_dim), got strides {q.strides}")
     if q.strides[0] % 16 or q.data.ptr % 16:
         raise ValueError("q rows must start on 16-byte boundaries")
-    if num_splits is not None and not 1 <= num_splits <= 65535:
-        raise ValueError(f"num_splits must be in [1, 65535], got {num_splits}")
+    if num_splits is not None and not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
     if merge not in ("last-block", "kernel"):
         raise ValueError(f"merge must be 'last-block' or 'kernel', got {merge!r}")
     out = _checks.output(out, "out", (B, H, D), q.dtype)

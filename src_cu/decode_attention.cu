@@ -14,10 +14,14 @@
 // dot products per key (the KV row is read once for the QPB heads that share it: GQA),
 // reduces them over the G lanes with xor-shuffles and updates an online softmax (one
 // rescale per UNROLL keys). The groups' partial results are merged through shared memory.
+// The first chunk's first trip of rows is requested before the sequence length arrives
+// (it starts at row 0 whatever the length), so an unsplit short cache waits for memory once.
 // Split: blockIdx.z takes one of gridDim.z equal chunks of the sequence (multiples of the
 // block's key tile). With one split the block writes out; otherwise it writes its output,
 // normalized, and its log2-sum-exp to float32 scratch, and the chunks are combined either
-// by the last block of the heads to finish (given counters) or by decode_attention_merge_kernel.
+// by the last block of the heads to finish (given counters) or by decode_attention_merge_kernel,
+// both with merge_column: a warp weighs the splits, then every thread sums its column over
+// them with 8 loads in flight.
 // Bytes: the K and V rows of each sequence once (2 len D sizeof(KT) per KV head, + scales);
 // FLOPs 4 len D per query head.
 //
@@ -32,6 +36,8 @@ using namespace g2c;
 namespace {
 constexpr int THREADS = 128;
 constexpr int UNROLL = 4;  // key and value rows in flight per group
+constexpr int MAX_SPLITS = 128;  // the wrapper's limit: each lane of a warp weighs 4 splits
+constexpr int MERGE_LOADS = 8;   // partial results in flight per thread while merging
 }  // namespace
 
 // Load n = VEC elements of the query starting at p (VEC a multiple of T's 16-byte vector).
@@ -48,25 +54,96 @@ __device__ __forceinline__ void load_query(const T* p, float mul, float (&out)[V
     }
 }
 
-// out[row, d] = sum_i w_i o_i[row, d] / sum_i w_i over the splits, w_i = 2^(lse_i - max lse).
-// Loads bypass L1 (__ldcg): the partial results were written by other blocks.
-template <typename T, int D>
-__device__ __forceinline__ void merge_splits(T* __restrict__ out, const float* __restrict__ part_o,
-                                             const float* __restrict__ part_lse, long long row, int rows,
-                                             int splits, int d) {
+// The splits' partial results of one (sequence, head) row are combined as
+//   out[row, d] = sum_i w_i o_i[row, d],   w_i = 2^(lse_i - max lse) / sum_j 2^(lse_j - max lse)
+// in two steps so that no thread waits on a chain of loads: one warp turns the row's
+// log2-sum-exps into weights (a lane per split, shuffle reductions), then each thread
+// sums its column over the splits with MERGE_LOADS loads in flight. Loads bypass L1
+// (__ldcg): the partial results were written by other blocks.
+
+__device__ __forceinline__ void split_weights(float* __restrict__ w, const float* __restrict__ part_lse,
+                                              long long row, long long rows, int splits) {
+    const int lane = threadIdx.x % 32;
+    float lse[MAX_SPLITS / 32];
     float mx = -INFINITY;
-    for (int i = 0; i < splits; ++i) mx = fmaxf(mx, __ldcg(part_lse + i * static_cast<long long>(rows) + row));
-    float sum = 0.0f, o = 0.0f;
-    if (mx != -INFINITY) {
-        for (int i = 0; i < splits; ++i) {
-            const long long part = i * static_cast<long long>(rows) + row;
-            const float w = exp2f(__ldcg(part_lse + part) - mx);
-            sum += w;
-            o = fmaf(w, __ldcg(part_o + part * D + d), o);
+#pragma unroll
+    for (int k = 0; k < MAX_SPLITS / 32; ++k) {
+        const int i = lane + 32 * k;
+        lse[k] = i < splits ? __ldcg(part_lse + i * rows + row) : -INFINITY;
+        mx = fmaxf(mx, lse[k]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < MAX_SPLITS / 32; ++k) {
+        lse[k] = mx == -INFINITY ? 0.0f : exp2f(lse[k] - mx);  // no key at all: every weight 0
+        sum += lse[k];
+    }
+    sum = warp_sum(sum);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+    for (int k = 0; k < MAX_SPLITS / 32; ++k)
+        if (lane + 32 * k < splits) w[lane + 32 * k] = lse[k] * inv;
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void merge_column(T* __restrict__ out, const float* __restrict__ part_o,
+                                             const float* __restrict__ w, long long row, long long rows,
+                                             int splits, int d) {
+    const float* p = part_o + row * D + d;
+    const long long step = rows * D;  // one split to the next
+    float o = 0.0f;
+    int i = 0;
+    for (; i + MERGE_LOADS <= splits; i += MERGE_LOADS) {
+        float x[MERGE_LOADS];
+#pragma unroll
+        for (int u = 0; u < MERGE_LOADS; ++u) x[u] = __ldcg(p + (i + u) * step);
+#pragma unroll
+        for (int u = 0; u < MERGE_LOADS; ++u) o = fmaf(w[i + u], x[u], o);
+    }
+    for (; i < splits; ++i) o = fmaf(w[i], __ldcg(p + i * step), o);
+    out[row * D + d] = from_float<T>(o);
+}
+
+// The key and value rows of one loop trip of a group: rows base + u GROUPS + group (u <
+// UNROLL) below `end`, as raw 16-byte vectors, with their scales; zeros beyond `end` (a
+// masked key must not bring NaN into 0 * v).
+template <typename KT, int GROUPS> struct Trip {
+    KvVec<KT> k[UNROLL], v[UNROLL];
+    float k_scale[UNROLL], v_scale[UNROLL];
+
+    __device__ __forceinline__ void load(const KT* kc, const KT* vc, const float* ks, const float* vs, int D,
+                                         int group, int base, int end) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int s = base + u * GROUPS + group;
+            k_scale[u] = v_scale[u] = 1.0f;
+            if (s < end) {
+                k[u].load(kc + static_cast<long long>(s) * D);
+                v[u].load(vc + static_cast<long long>(s) * D);
+                if constexpr (KvFormat<KT>::QUANTIZED) {
+                    k_scale[u] = ks[s];
+                    v_scale[u] = vs[s];
+                }
+            } else {
+                k[u].zero();
+                v[u].zero();
+            }
         }
     }
-    out[row * D + d] = from_float<T>(sum > 0.0f ? o / sum : 0.0f);
-}
+
+    // Zero the rows at or past `end` of a trip loaded from row 0 before `end` was known.
+    __device__ __forceinline__ void mask(int group, int end) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (u * GROUPS + group >= end) {
+                k_scale[u] = v_scale[u] = 1.0f;
+                k[u].zero();
+                v[u].zero();
+            }
+        }
+    }
+};
 
 template <typename T, typename KT, int D, int QPB>
 __global__ void __launch_bounds__(THREADS)
@@ -82,6 +159,14 @@ __global__ void __launch_bounds__(THREADS)
     static_assert(G <= 32 && 32 % G == 0, "a key row must fit in one warp");
     constexpr int GROUPS = THREADS / G;
     constexpr int TILE = GROUPS * UNROLL;  // keys per loop trip; split chunks are multiples
+    // Two trips of rows in flight (PIPELINE) for one query head per block of 16-bit or
+    // float32 rows: measured on an H100 (fp16, cold L2), it cut 32 heads x hd128 at B=1
+    // from 8.91 to 7.79 us at S=128 (one split) and from 878.7 to 584.3 us at S=32768 with
+    // one split (190.6 -> 191.3 at the chosen 16), and GPT-2 at S=256 from 8.19 to 7.39 us.
+    // With grouped heads (QPB > 1: 2 QPB VEC registers of query and output per thread) and
+    // 1-byte rows it raised registers to 140-205 and was not faster (32 / 8 heads, S=4096:
+    // 18.2 us without, 20.2 with, each at its best split).
+    constexpr bool PIPELINE = QPB * VEC <= 8;
     __shared__ float s_m[QPB][GROUPS], s_l[QPB][GROUPS];
     __shared__ float s_o[QPB][GROUPS][D];
 
@@ -90,13 +175,23 @@ __global__ void __launch_bounds__(THREADS)
     const int h0 = g * heads_per_kv + (blockIdx.x % head_groups) * QPB;  // first query head
     const int b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int group = threadIdx.x / G, sub = threadIdx.x % G;
-    const int len = seq_lens[b];
-    const int chunk = (len + splits * TILE - 1) / (splits * TILE) * TILE;
-    const int s_begin = split * chunk, s_end = min(len, s_begin + chunk);
-
     const long long row0 = (static_cast<long long>(b) * H_kv + g) * S_max;  // cache row of position 0
     const KT* kc = k_cache + row0 * D + sub * VEC;
     const KT* vc = v_cache + row0 * D + sub * VEC;
+
+    const float* ks = Fmt::QUANTIZED ? k_scale + row0 : nullptr;
+    const float* vs = Fmt::QUANTIZED ? v_scale + row0 : nullptr;
+    // The first chunk starts at row 0 whatever the length: its first trip's rows (inside
+    // the cache's S_max rows) are requested before the length arrives, which takes one
+    // memory latency off a short cache's critical path. Rows past the length are zeroed
+    // once it is known.
+    Trip<KT, GROUPS> cur, next;
+    const bool early = split == 0;
+    if (early) cur.load(kc, vc, ks, vs, D, group, 0, min(TILE, S_max));
+
+    const int len = seq_lens[b];
+    const int chunk = (len + splits * TILE - 1) / (splits * TILE) * TILE;
+    const int s_begin = split * chunk, s_end = min(len, s_begin + chunk);
 
     float qv[QPB][VEC], slope[QPB], m[QPB], l[QPB], acc[QPB][VEC];
 #pragma unroll
@@ -109,31 +204,13 @@ __global__ void __launch_bounds__(THREADS)
         for (int i = 0; i < VEC; ++i) acc[j][i] = 0.0f;
     }
 
-    // the trip count is uniform across the block, so every lane reaches the shuffles
-    for (int base = s_begin; base < s_end; base += TILE) {
-        KvVec<KT> kr[UNROLL], vr[UNROLL];
-        float ksc[UNROLL], vsc[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int s = base + u * GROUPS + group;
-            ksc[u] = vsc[u] = 1.0f;
-            if (s < s_end) {
-                kr[u].load(kc + static_cast<long long>(s) * D);
-                vr[u].load(vc + static_cast<long long>(s) * D);
-                if constexpr (Fmt::QUANTIZED) {
-                    ksc[u] = k_scale[row0 + s];
-                    vsc[u] = v_scale[row0 + s];
-                }
-            } else {  // a masked key must not bring NaN into 0 * v
-                kr[u].zero();
-                vr[u].zero();
-            }
-        }
+    // One loop trip over the rows of t: scores, online softmax, O += P V.
+    auto use_trip = [&](const Trip<KT, GROUPS>& t, int base) {
         float dot[QPB][UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             float kf[VEC];
-            kr[u].unpack(kf);
+            t.k[u].unpack(kf);
 #pragma unroll
             for (int j = 0; j < QPB; ++j) {
                 float d = 0.0f;
@@ -157,7 +234,7 @@ __global__ void __launch_bounds__(THREADS)
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int s = base + u * GROUPS + group;
-                dot[j][u] = s < s_end ? fmaf(slope[j], static_cast<float>(s - len + 1), dot[j][u] * ksc[u]) : -INFINITY;
+                dot[j][u] = s < s_end ? fmaf(slope[j], static_cast<float>(s - len + 1), dot[j][u] * t.k_scale[u]) : -INFINITY;
                 tile_max = fmaxf(tile_max, dot[j][u]);
             }
             const float m_new = fmaxf(m[j], tile_max);
@@ -170,19 +247,48 @@ __global__ void __launch_bounds__(THREADS)
             for (int u = 0; u < UNROLL; ++u) {
                 p[j][u] = exp2f(dot[j][u] - m_use);
                 l[j] += p[j][u];
-                p[j][u] *= vsc[u];
+                p[j][u] *= t.v_scale[u];
             }
             m[j] = m_new;
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             float vf[VEC];
-            vr[u].unpack(vf);
+            t.v[u].unpack(vf);
 #pragma unroll
             for (int j = 0; j < QPB; ++j) {
 #pragma unroll
                 for (int i = 0; i < VEC; ++i) acc[j][i] = fmaf(p[j][u], vf[i], acc[j][i]);
             }
+        }
+    };
+    // The trip count is uniform across the block, so every lane reaches the shuffles.
+    // With PIPELINE, trip i + 1's rows are requested before trip i is used (two sets of
+    // row registers), so a block streams instead of waiting for memory once per trip.
+    int base = s_begin;
+    if (early) {  // the first trip's rows are here
+        cur.mask(group, s_end);
+    } else if (base < s_end) {
+        cur.load(kc, vc, ks, vs, D, group, base, s_end);
+    }
+    if constexpr (PIPELINE) {
+        while (base < s_end) {
+            if (base + TILE < s_end) next.load(kc, vc, ks, vs, D, group, base + TILE, s_end);
+            use_trip(cur, base);
+            base += TILE;
+            if (base >= s_end) break;
+            if (base + TILE < s_end) cur.load(kc, vc, ks, vs, D, group, base + TILE, s_end);
+            use_trip(next, base);
+            base += TILE;
+        }
+    } else {
+        if (base < s_end) {
+            use_trip(cur, base);
+            base += TILE;
+        }
+        for (; base < s_end; base += TILE) {
+            cur.load(kc, vc, ks, vs, D, group, base, s_end);
+            use_trip(cur, base);
         }
     }
 
@@ -230,10 +336,14 @@ __global__ void __launch_bounds__(THREADS)
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    for (int e = threadIdx.x; e < QPB * D; e += THREADS) {
-        const long long row = static_cast<long long>(b) * H + h0 + e / D;
-        merge_splits<T, D>(out, part_o, part_lse, row, gridDim.y * H, splits, e % D);
-    }
+    // splits past the last key hold nothing: leave them out
+    const int used = min(splits, (len + chunk - 1) / chunk);
+    __shared__ float s_w[QPB][MAX_SPLITS];
+    const long long row_h0 = static_cast<long long>(b) * H + h0, rows = static_cast<long long>(gridDim.y) * H;
+    if (threadIdx.x / 32 < QPB) split_weights(s_w[threadIdx.x / 32], part_lse, row_h0 + threadIdx.x / 32, rows, used);
+    __syncthreads();
+    for (int e = threadIdx.x; e < QPB * D; e += THREADS)
+        merge_column<T, D>(out, part_o, s_w[e / D], row_h0 + e / D, rows, used, e % D);
 }
 
 // The merge as a kernel of its own, for launches without counters: one block of D
@@ -242,5 +352,8 @@ template <typename T, int D>
 __global__ void __launch_bounds__(D)
     decode_attention_merge_kernel(T* __restrict__ out, const float* __restrict__ part_o,
                                   const float* __restrict__ part_lse, int rows, int splits) {
-    merge_splits<T, D>(out, part_o, part_lse, blockIdx.x, rows, splits, threadIdx.x);
+    __shared__ float s_w[MAX_SPLITS];
+    if (threadIdx.x < 32) split_weights(s_w, part_lse, blockIdx.x, rows, splits);
+    __syncthreads();
+    merge_column<T, D>(out, part_o, s_w, blockIdx.x, rows, splits, threadIdx.x);
 }

@@ -55,14 +55,17 @@ def build_cache(rng, B, H_kv, S, D, lens, dtype, kv):
 CASES = [  # H, H_kv, D, lens, alibi
     (12, 12, 64, [1], False),
     (12, 12, 64, [7, 1000, 1, 4097], True),
-    (8, 2, 128, [4097, 33], False),  # GQA, 4 query heads per KV head
+    (8, 2, 128, [4097, 33], False),  # GQA, 4 query heads per KV head (2 per block: a short batch)
+    (8, 2, 64, [16381, 5], False),  # GQA, 4 query heads per KV head and per block (B x S_max >= 16384)
     (6, 3, 64, [1000, 7], True),  # GQA, 2 per KV head
     (5, 1, 128, [1, 1000], False),  # MQA, 5 query heads
     (32, 1, 64, [4097], True),  # MQA, 32 query heads (8 blocks share each KV row)
 ]
 
 
-@pytest.mark.parametrize("splits,merge", [(None, "last-block"), (1, "last-block"), (7, "last-block"), (7, "kernel")])
+# 100 splits: more than a warp's lanes and not a multiple of the merge's loads in flight
+@pytest.mark.parametrize("splits,merge", [(None, "last-block"), (1, "last-block"), (7, "last-block"), (7, "kernel"),
+                                          (100, "last-block"), (100, "kernel")])
 @pytest.mark.parametrize("kv", list(KV))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("H,H_kv,D,lens,alibi", CASES)
@@ -118,7 +121,7 @@ def test_kv_append_quantized(dtype, kv, D):
     assert (np.abs(got - want) <= bound).all()
 
 
-def test_split_heuristic_keeps_short_batched_caches_in_one_launch():
+def test_launch_config_splits_and_heads_per_block():
     from cupy_kernels import _build
     from cupy_kernels.decode_attention import launch_config
 
@@ -127,7 +130,11 @@ def test_split_heuristic_keeps_short_batched_caches_in_one_launch():
     assert launch_config(fp16, fp16, 128, 32, 32, 128, 4096)[2] == 1  # a batch that fills the GPU many times
     splits = launch_config(fp16, fp16, 1, 32, 32, 128, 32768)[2]  # one long sequence: spread over the SMs
     assert splits > 1 and splits * 32 >= sms
-    assert launch_config(fp16, fp16, 1, 12, 12, 64, 64)[2] == 1  # one loop trip of keys: nothing to split
+    assert launch_config(fp16, fp16, 1, 12, 12, 64, 128)[2] == 1  # two loop trips of keys: cheaper than a merge
+    assert launch_config(fp16, fp16, 1, 12, 12, 64, 1024)[2] > 1
+    # grouped heads: 2 query heads per block for a short batch, 4 (one read of each K/V row) for a long one
+    assert launch_config(fp16, fp16, 1, 32, 8, 128, 4096)[1] == 16
+    assert launch_config(fp16, fp16, 1, 32, 8, 128, 32768)[1] == 8
 
 
 def test_decode_attention_bad_inputs_raise():
@@ -146,6 +153,8 @@ def test_decode_attention_bad_inputs_raise():
         K.decode_attention(q, kc, kc, seq, k_scale=cp.zeros((2, 4, 16), np.float32))
     with pytest.raises(ValueError, match="num_splits"):
         K.decode_attention(q, kc, kc, seq, num_splits=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        K.decode_attention(q, kc, kc, seq, num_splits=129)
     with pytest.raises(ValueError, match="merge"):
         K.decode_attention(q, kc, kc, seq, merge="tree")
     with pytest.raises(ValueError, match="alibi_slopes"):
