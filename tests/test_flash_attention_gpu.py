@@ -126,6 +126,9 @@ def test_flash_attention_bad_inputs_raise_before_launch():
         base = cp.ones((1, 8, 3 * 2 * 64 + 1), np.float16)
         qkv = base[:, :, 1:].reshape(1, 8, 3, 2, 64)
         K.flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+    with pytest.raises(ValueError, match="time stride"):  # the kernel's row stride is a 32-bit byte count
+        huge = cp.lib.stride_tricks.as_strided(q, shape=(1, 2, 2, 64), strides=(2**32, 2**31, 128, 2))
+        K.flash_attention(huge, huge, huge)
     with pytest.raises(ValueError, match="scale"):
         K.flash_attention(q, q, q, scale=0.0)
     with pytest.raises(ValueError, match="out"):
