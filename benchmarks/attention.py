@@ -3,7 +3,8 @@
     python -m benchmarks.attention [--quick]
 
 TFLOP/s = 4 B H S^2 D / time (halved for causal). Ours is ``flash_attention`` (tensor
-cores) in float16 / bfloat16 and ``causal_attention`` (CUDA cores, causal only) in float32.
+cores; in float32 as 3xTF32: three tf32 products per float32 product); "ours-cuda-cores"
+is the float32 CUDA-core kernel ``causal_attention`` (causal only), in the same run.
 torch: ``scaled_dot_product_attention`` pinned to one backend each (flash, efficient,
 cudnn, math); a backend that refuses a case is recorded with its error. Median of CUDA
 event timings (benchmarks/common.py, warm L2: the inputs are re-read by every tile).
@@ -33,12 +34,11 @@ BACKENDS = {"torch-sdpa-flash": SDPBackend.FLASH_ATTENTION, "torch-sdpa-efficien
 MATH_MAX_SCORES = 1 << 31  # the math backend materializes B H S^2 scores: skip it beyond this
 
 
-def ours_fn(q, k, v, causal, out):
-    if q.dtype == np.float32:
-        if not causal:
-            return None  # causal_attention is causal only
-        return lambda: K.causal_attention(q, k, v, out=out)
-    return lambda: K.flash_attention(q, k, v, causal=causal, out=out)
+def ours_fns(q, k, v, causal, out) -> dict:
+    fns = {"ours": lambda: K.flash_attention(q, k, v, causal=causal, out=out)}
+    if q.dtype == np.float32 and causal:  # causal_attention is causal only
+        fns["ours-cuda-cores"] = lambda: K.causal_attention(q, k, v, out=out)
+    return fns
 
 
 def peak_bytes_ours(fn) -> int:
@@ -67,7 +67,7 @@ def measure(rows, dtype, B, H, D, S, causal):
     flops = 4 * B * H * S * S * D / (2 if causal else 1)
     key = {"bench": "attention", "dtype": dtype, "causal": causal, "batch": B, "heads": H, "head_dim": D, "seq": S}
     line = []
-    fns = {"ours": ours_fn(qc, kc, vc, causal, out)}
+    fns = ours_fns(qc, kc, vc, causal, out)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D] views, as SDPA wants
     for impl, backend in BACKENDS.items():
         def run(backend=backend):
@@ -76,9 +76,7 @@ def measure(rows, dtype, B, H, D, S, causal):
         fns[impl] = run
     for impl, fn in fns.items():
         row = {**key, "impl": impl}
-        if fn is None:
-            row["refused"] = "not supported by this library (float32 attention is causal only)"
-        elif impl == "torch-sdpa-math" and B * H * S * S > MATH_MAX_SCORES:
+        if impl == "torch-sdpa-math" and B * H * S * S > MATH_MAX_SCORES:
             row["refused"] = f"skipped: the math backend would hold {B * H * S * S:.2e} scores"
         else:
             try:
@@ -90,7 +88,8 @@ def measure(rows, dtype, B, H, D, S, causal):
             except RuntimeError as err:  # the backend refuses this dtype / shape / GPU
                 row["refused"] = str(err).splitlines()[0][:200]
         rows.append(row)
-        line.append(f"{impl.replace('torch-sdpa-', '')} " + (f"{row['TFLOPs']:6.1f}" if "TFLOPs" in row else "  --  "))
+        name = impl.replace("torch-sdpa-", "").replace("ours-", "")
+        line.append(f"{name} " + (f"{row['TFLOPs']:6.1f}" if "TFLOPs" in row else "  --  "))
     print(f"{dtype:8s} causal={causal!s:5s} B{B:3d} H{H} D{D:3d} S{S:6d} TFLOP/s: " + " | ".join(line), flush=True)
     del q, k, v, qc, kc, vc, out
     torch.cuda.empty_cache()
@@ -129,8 +128,10 @@ def main():
                and r["seq"] == 4096}
         if "TFLOPs" in sel.get("ours", {}) and "TFLOPs" in sel.get(base, {}):
             cudnn = sel.get("torch-sdpa-cudnn", {}).get("TFLOPs")
+            cuda_cores = sel.get("ours-cuda-cores", {}).get("TFLOPs")
             print(f"{dtype} hd{hd} {'causal' if causal else 'non-causal'} S4096: ours / {base} = "
-                  f"{sel['ours']['TFLOPs'] / sel[base]['TFLOPs']:.2f} (cudnn {cudnn} TFLOP/s)")
+                  f"{sel['ours']['TFLOPs'] / sel[base]['TFLOPs']:.2f} (cudnn {cudnn} TFLOP/s"
+                  + (f", ours-cuda-cores {cuda_cores} TFLOP/s)" if cuda_cores else ")"))
 
 
 if __name__ == "__main__":

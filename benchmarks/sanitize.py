@@ -36,10 +36,11 @@ def main():
         for T, D in ((1, 64), (67, 64), (130, 128)):
             qkv = r(2, T, 3, 2, D, dtype=dtype)
             K.causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
-            if dtype.itemsize == 2:  # tensor cores: ragged tiles, causal and not, Tq != Tk
-                for causal in (False, True):
-                    K.flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal)
-                    K.flash_attention(qkv[:, :3, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal)
+            # tensor cores (float32: 3xTF32): ragged tiles, causal and not, Tq != Tk both ways
+            for causal in (False, True):
+                K.flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal)
+                K.flash_attention(qkv[:, :3, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal)
+                K.flash_attention(qkv[:, :, 0], qkv[:, :3, 1], qkv[:, :3, 2], causal=causal)
             kc, vc = r(2, 2, T + 5, D, dtype=dtype), r(2, 2, T + 5, D, dtype=dtype)
             K.kv_append(kc, vc, qkv[:, :, 1], qkv[:, :, 2], cp.asarray([0, 5], dtype=np.int32),
                         seq_lens=cp.zeros(2, dtype=np.int32))

@@ -1,6 +1,9 @@
-"""Attention over a prompt (prefill) on tensor cores, FlashAttention-2 style, float16 / bfloat16.
+"""Attention over a prompt (prefill) on tensor cores, FlashAttention-2 style: float16 /
+bfloat16 with float32 accumulation, and float32 with every product split in three tf32
+products (3xTF32), which keeps float32 accuracy.
 
-Kernel: ``src_cu/flash_attention.cu``. Tests: ``tests/test_flash_attention_gpu.py``.
+Kernels: ``src_cu/flash_attention.cu`` (16-bit), ``src_cu/flash_attention_tf32.cu``
+(float32). Tests: ``tests/test_flash_attention_gpu.py``. Benchmark: ``benchmarks/attention.py``.
 """
 
 from __future__ import annotations
@@ -10,13 +13,15 @@ import math
 from typing import NamedTuple
 
 import cupy
+import numpy
 
 from . import _build, _checks
 from ._build import f32, i32, i64
 
 _SRC = "flash_attention.cu"
+_SRC_F32 = "flash_attention_tf32.cu"
 HEAD_DIMS = (64, 128)
-DTYPES = tuple(d for d, c in _build.CTYPES.items() if c != "float")  # 16-bit storage only
+DTYPES = tuple(_build.CTYPES)  # float32 runs flash_attention_tf32.cu, the 16-bit types flash_attention.cu
 
 
 class Tiles(NamedTuple):
@@ -77,8 +82,21 @@ def _name(c_type: str, head_dim: int, causal: bool) -> str:
 
 _build.declare(
     _SRC,
-    [_name(_build.ctype(d), h, c) for d, h, c in itertools.product(DTYPES, HEAD_DIMS, (False, True))],
+    [_name(_build.ctype(d), h, c) for d, h, c in itertools.product(DTYPES, HEAD_DIMS, (False, True))
+     if d != numpy.float32],
 )
+
+# float32 (flash_attention_tf32.cu): 64 query rows per block, 4 warps of 16; keys per tile
+# by head dim (the kernel's BC: 32 at D = 128 keeps its grouped accumulation free of spills).
+_F32_ROWS = 64
+_F32_KEYS = {64: 64, 128: 32}
+
+
+def _f32_name(head_dim: int, causal: bool) -> str:
+    return f"flash_attention_tf32_kernel<{head_dim}, {str(causal).lower()}>"
+
+
+_build.declare(_SRC_F32, [_f32_name(h, c) for h, c in itertools.product(HEAD_DIMS, (False, True))])
 
 
 _MAX_TIME_STRIDE = 2**30  # elements: the kernel keeps a row stride in bytes as a 32-bit int
@@ -107,24 +125,21 @@ def _strides(a, name: str) -> tuple[int, int, int]:
 def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None, out=None) -> cupy.ndarray:
     """Attention on tensor cores: ``softmax(q k^T * scale) v`` per batch and head.
 
-    q: [B, Tq, H, D]; k, v: [B, Tk, H, D]; float16 or bfloat16 (float32 accumulation and
-    softmax); D in {64, 128}. Any of them may be a strided view (e.g. the thirds of a fused
-    [B, T, 3, H, D] qkv buffer, no copy is made) with unit stride along D and a pointer and
-    strides that are multiples of 16 bytes, and a time stride under 2^30 elements. ``scale``
-    (> 0) defaults to 1/sqrt(D).
+    q: [B, Tq, H, D]; k, v: [B, Tk, H, D]; D in {64, 128}. float16 or bfloat16: products on
+    16-bit tensor cores, float32 accumulation and softmax. float32: every product as three
+    tf32 products (x = hi + lo, a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi), float32 accuracy.
+    Any of them may be a strided view (e.g. the thirds of a fused [B, T, 3, H, D] qkv
+    buffer, no copy is made) with unit stride along D and a pointer and strides that are
+    multiples of 16 bytes, and a time stride under 2^30 elements. ``scale`` (> 0) defaults
+    to 1/sqrt(D).
 
     ``causal``: query i sees keys j <= i + (Tk - Tq), the mask aligned to the bottom right as
     in FlashAttention: with Tq < Tk (a prompt after Tk - Tq cached tokens) the last query sees
     every key; with Tq > Tk the first Tq - Tk queries see no key and get zeros. Without
     ``causal`` every query sees all Tk keys (zeros when Tk = 0).
 
-    Returns a contiguous [B, Tq, H, D] array (view it as [B, Tq, H*D]). For float32, use
-    :func:`causal_attention`.
+    Returns a contiguous [B, Tq, H, D] array (view it as [B, Tq, H*D]).
     """
-    q = _checks.as_array(q, "q")
-    if q.dtype not in DTYPES:
-        supported = ", ".join(str(d) for d in DTYPES)
-        raise TypeError(f"q has dtype {q.dtype}; flash_attention supports {supported} (for float32: causal_attention)")
     q = _checks.float_array(q, "q", ndim=4, contiguous=False)
     k = _checks.float_array(k, "k", ndim=4, contiguous=False)
     v = _checks.float_array(v, "v", ndim=4, contiguous=False)
@@ -142,17 +157,25 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
         raise ValueError(f"scale must be positive and finite, got {scale}")
     strides = [_strides(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v"))]
     out = _checks.output(out, "out", q.shape, q.dtype)
-    if out.data.ptr % 4:
-        raise ValueError("out must start on a 4-byte boundary (the kernel stores pairs of elements)")
+    if out.data.ptr % (2 * q.itemsize):
+        raise ValueError(f"out must start on a {2 * q.itemsize}-byte boundary (the kernel stores pairs of elements)")
     if out.size == 0:
         return out
-    tiles = TILES[D]
-    kern = _build.kernel(_SRC, _name(_build.ctype(q.dtype), D, bool(causal)))
-    smem = tiles.smem_bytes(D)
-    _build.set_smem(kern, smem)
     args = [out, q, k, v, i32(Tq), i32(Tk), i32(H)]
-    for sb, st, sh in strides:
-        args += [i64(sb), i32(st), i64(sh)]
+    if q.dtype == numpy.float32:
+        kern = _build.kernel(_SRC_F32, _f32_name(D, bool(causal)))
+        smem = 4 * (_F32_ROWS + 2 * _F32_KEYS[D]) * D  # Q, one K and one V tile of float32
+        rows, threads = _F32_ROWS, 128
+        for st in strides:
+            args += [i64(s) for s in st]
+    else:
+        tiles = TILES[D]
+        kern = _build.kernel(_SRC, _name(_build.ctype(q.dtype), D, bool(causal)))
+        smem = tiles.smem_bytes(D)
+        rows, threads = tiles.rows, 32 * tiles.warps
+        for sb, st, sh in strides:
+            args += [i64(sb), i32(st), i64(sh)]
     args.append(f32(scale))
-    kern((_build.cdiv(Tq, tiles.rows), H, B), (32 * tiles.warps,), tuple(args), shared_mem=smem)
+    _build.set_smem(kern, smem)
+    kern((_build.cdiv(Tq, rows), H, B), (threads,), tuple(args), shared_mem=smem)
     return out

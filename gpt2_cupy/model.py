@@ -219,10 +219,7 @@ class GPT2:
             q, k, v = (qkv.reshape(1, T, 3, H, D)[:, :, j] for j in range(3))  # [1, T, H, D] views
             if cache is not None:
                 K.kv_append(k=k, v=v, start=start, slots=slots, **cache.layer(i))
-            if self.dtype.itemsize == 2:  # float16 / bfloat16: tensor cores
-                a = K.flash_attention(q, k, v, causal=True)  # [1, T, H, D]
-            else:
-                a = K.causal_attention(q, k, v)  # [1, T, H, D]
+            a = K.flash_attention(q, k, v, causal=True)  # [1, T, H, D], tensor cores (float32: 3xTF32)
             y = self._matmul(a.reshape(T, C), blk.attn_proj_w)  # [T, C]
             x, h = K.layernorm_residual(x, y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b,
                                         eps=eps, sum_out=x)

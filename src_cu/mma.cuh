@@ -1,5 +1,6 @@
-// mma.cuh - tensor-core building blocks for sm_80 and newer: warp-wide mma.sync, ldmatrix,
-// cp.async, and the XOR swizzle that keeps ldmatrix on row-major tiles free of bank conflicts.
+// mma.cuh - tensor-core building blocks for sm_80 and newer: warp-wide mma.sync (16-bit, and
+// tf32 with the 3xTF32 split at the end), ldmatrix, cp.async, and the XOR swizzle that keeps
+// ldmatrix on row-major tiles free of bank conflicts.
 //
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type").
 // In a warp, g = lane / 4 and t = lane % 4; a 32-bit register of 16-bit elements holds the
@@ -78,21 +79,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned add
                  : "r"(addr));
 }
 
-// c0 += a b and c1 += a b' for two neighbouring n-tiles whose B fragments one ldmatrix.x4
-// (TRANS: .x4.trans) gives at `addr`: registers 0 and 1 are b[0], b[1] of the first n-tile,
-// registers 2 and 3 those of the second. The lanes' addresses decide which is which.
-template <typename T, bool TRANS>
-__device__ __forceinline__ void mma_m16n16k16(float (&c0)[4], float (&c1)[4], const unsigned (&a)[4], unsigned addr) {
-    unsigned b[4];
-    if constexpr (TRANS) {
-        ldmatrix_x4_trans(b, addr);
-    } else {
-        ldmatrix_x4(b, addr);
-    }
-    mma_m16n8k16<T>(c0, a, b[0], b[1]);
-    mma_m16n8k16<T>(c1, a, b[2], b[3]);
-}
-
 // ---------------------------------------------------------------------------------------
 // cp.async: global -> shared without passing through registers (L1 bypassed, .cg).
 // Copies `src_bytes` (0 or 16) bytes and zero-fills the rest of the 16: a row past the end
@@ -126,6 +112,87 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 template <int CHUNKS> __device__ __forceinline__ int swizzle(int row, int chunk) {
     static_assert(CHUNKS == 8 || CHUNKS == 16, "swizzled rows are 128 or 256 bytes");
     return row * CHUNKS + (chunk ^ (row & 7));
+}
+
+// =======================================================================================
+// float32 on tensor cores: mma.sync.m16n8k8 with tf32 operands and the 3xTF32 split
+// (flash_attention_tf32.cu).
+//
+// Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k8" with .tf32), g = lane / 4,
+// t = lane % 4, one 32-bit element per register:
+//   A, 16 x 8 (m, k), 4 registers:  a[0]: (g, t)   a[1]: (g + 8, t)   a[2]: (g, t + 4)   a[3]: (g + 8, t + 4)
+//   B, 8 x 8 (k, n), 2 registers:   b[0]: (k = t, n = g)   b[1]: (k = t + 4, n = g)
+//   C and D, 16 x 8 float32:        as for m16n8k16 above: c[0], c[1]: row g, cols 2t, 2t+1;
+//                                   c[2], c[3]: row g + 8, cols 2t, 2t+1
+// The k dimension of a product may be permuted as long as A and B share the permutation.
+// Taking k = t to column 2t and k = t + 4 to column 2t + 1 makes (a[0], a[2]), (a[1], a[3])
+// and (b[0], b[1]) pairs of neighbouring columns (one 64-bit shared load each), and makes the
+// C fragment of an n-tile the A fragment of the next product: (c[0], c[2], c[1], c[3]).
+//
+// 3xTF32: x = hi + lo with hi = x rounded to tf32 (10 mantissa bits, to nearest, ties away
+// from zero: cvt.rna.tf32.f32) and lo = x - hi (exact in float32) rounded the same way; then
+// a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi, dropping a_lo b_lo (<= 2^-22 |a b|). The small
+// products are accumulated first, so that they are not lost below the big one's rounding.
+// =======================================================================================
+
+// x rounded to tf32, as float32 bits. For finite x and for +-inf this is bit for bit what
+// cvt.rna.tf32.f32 gives: ptxas expands that instruction into the same add and mask plus an
+// infinity/NaN test and select (4 instructions on sm_80 and sm_90, checked with nvdisasm).
+// A NaN stays a NaN here or in the lo part, so NaNs still propagate through the products.
+__device__ __forceinline__ unsigned tf32_rna(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+
+// x = hi + lo, both tf32 (5 integer and float instructions)
+__device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
+    hi = tf32_rna(x);
+    lo = tf32_rna(x - __uint_as_float(hi));
+}
+
+// c += a b, a 16 x 8 and b 8 x 8 in tf32, float32 accumulation in place
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// An A fragment (a[0..3]) and a B fragment (b[0..1]) split into hi and lo parts.
+struct FragA3x {
+    unsigned hi[4], lo[4];
+    __device__ __forceinline__ void split(float a0, float a1, float a2, float a3) {
+        split_tf32(a0, hi[0], lo[0]);
+        split_tf32(a1, hi[1], lo[1]);
+        split_tf32(a2, hi[2], lo[2]);
+        split_tf32(a3, hi[3], lo[3]);
+    }
+};
+struct FragB3x {
+    unsigned hi[2], lo[2];
+    __device__ __forceinline__ void split(float b0, float b1) {
+        split_tf32(b0, hi[0], lo[0]);
+        split_tf32(b1, hi[1], lo[1]);
+    }
+};
+
+// c += sum_i a[i] b[i] over N k-steps in 3xTF32, rounded into c once. mma.sync's own
+// additions do not round to nearest (published measurements on V100 to A100 find truncation),
+// and chaining every product of a row into one accumulator measured 5x (S over D = 64) to 12x
+// (O over 1025 keys) the error of a naive float32 attention on an H100. So the N steps go
+// into a fresh accumulator, the small terms of every step first (they stay ~2^-11 of the
+// result, where truncation costs nothing), then the N big ones, and that partial sum is added
+// to c with a float32 add (round to nearest): N truncations relative to a partial sum of 8 N
+// products instead of 3 per step relative to the whole sum, for 4 adds per N mma triples.
+template <int N>
+__device__ __forceinline__ void mma_m16n8k8_3xtf32(float (&c)[4], const FragA3x (&a)[N], const FragB3x (&b)[N]) {
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        mma_m16n8k8_tf32(t, a[i].lo, b[i].hi[0], b[i].hi[1]);
+        mma_m16n8k8_tf32(t, a[i].hi, b[i].lo[0], b[i].lo[1]);
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) mma_m16n8k8_tf32(t, a[i].hi, b[i].hi[0], b[i].hi[1]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[e] += t[e];
 }
 
 }  // namespace g2c

@@ -1,7 +1,8 @@
 """flash_attention on the GPU against the float64 reference, held to FlashAttention's rule:
 its error is at most twice the error of a naive attention in the same storage precision
-(plus a small absolute slack). Inputs are strided views of fused buffers, outputs are
-poisoned (NaN) before each launch, lengths are ragged and Tq may differ from Tk."""
+(plus a small absolute slack): float16 and bfloat16 on 16-bit tensor cores, float32 in
+3xTF32. Inputs are strided views of fused buffers, outputs are poisoned (NaN) before each
+launch, lengths are ragged and Tq may differ from Tk."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from cupy_kernels import _build  # noqa: E402
 from cupy_kernels import reference as ref  # noqa: E402
 from gpu_util import poisoned  # noqa: E402
 
-DTYPES = [np.float16, _build.BFLOAT16]
+DTYPES = [np.float32, np.float16, _build.BFLOAT16]
 LENGTHS = (1, 7, 63, 65, 1023, 1025)
 # (Tq, Tk): equal lengths, a prompt after a cached prefix (Tq < Tk), and Tq > Tk, where
 # the first Tq - Tk queries of causal attention see no key
 TQ_TK = [(t, t) for t in LENGTHS] + [(1, 1025), (7, 63), (65, 1023), (63, 1025), (1023, 65), (65, 7), (7, 1)]
-SLACK = 1e-3  # absolute, for cases where the naive error is tiny
+# absolute, for cases where the naive error is tiny (outputs are O(1))
+SLACK = {np.dtype(np.float32): 1e-6, np.dtype(np.float16): 1e-3, _build.BFLOAT16: 1e-3}
 
 
 def fused(rng, B, T, H, D, dtype, scale=1.0):
@@ -36,21 +38,23 @@ def fused(rng, B, T, H, D, dtype, scale=1.0):
 
 
 def naive(q, k, v, causal: bool, scale: float):
-    """Attention the plain way in the storage precision: S = q k^T rounded to the dtype,
-    softmax in float32, P rounded to the dtype, O = P v rounded to the dtype (the products
-    are accumulated exactly enough: in float64). q [B, Tq, H, D], k, v [B, Tk, H, D]."""
+    """Attention the plain way in the storage precision. 16-bit: S = q k^T rounded to the
+    dtype, softmax in float32, P rounded to the dtype, O = P v rounded to the dtype (the
+    products accumulated in float64). float32: float32 matrix products (cuBLAS SGEMM) and
+    softmax. q [B, Tq, H, D], k, v [B, Tk, H, D]."""
     dtype = q.dtype
-    qf, kf, vf = (a.astype(cp.float64).transpose(0, 2, 1, 3) for a in (q, k, v))  # [B, H, T, D]
+    acc = cp.float32 if dtype == np.float32 else cp.float64
+    qf, kf, vf = (cp.ascontiguousarray(a.astype(acc).transpose(0, 2, 1, 3)) for a in (q, k, v))  # [B, H, T, D]
     s = (qf @ kf.swapaxes(-1, -2)).astype(dtype).astype(cp.float32) * np.float32(scale)  # [B, H, Tq, Tk]
     Tq, Tk = s.shape[-2:]
     if causal:
         visible = cp.arange(Tk)[None, :] <= cp.arange(Tq)[:, None] + (Tk - Tq)
-        s = cp.where(visible, s, -cp.inf)
+        s = cp.where(visible, s, np.float32(-np.inf))
     m = s.max(axis=-1, keepdims=True)
-    m = cp.where(cp.isfinite(m), m, 0)  # rows without a visible key
+    m = cp.where(cp.isfinite(m), m, np.float32(0))  # rows without a visible key
     e = cp.exp(s - m)
     den = e.sum(axis=-1, keepdims=True)
-    p = (e / cp.where(den > 0, den, 1)).astype(dtype).astype(cp.float64)
+    p = (e / cp.where(den > 0, den, np.float32(1))).astype(dtype).astype(acc)
     return (p @ vf).astype(dtype).transpose(0, 2, 1, 3)  # [B, Tq, H, D]
 
 
@@ -61,7 +65,7 @@ def check(out, q, k, v, expect, causal, scale):
     assert np.isfinite(got).all(), "unwritten (poisoned) or non-finite outputs"
     err = np.abs(got - expect).max()
     naive_err = np.abs(naive(q, k, v, causal, scale).astype(cp.float32).get() - expect).max()
-    assert err <= 2 * naive_err + SLACK, f"error {err:.3g}, naive same-precision error {naive_err:.3g}"
+    assert err <= 2 * naive_err + SLACK[q.dtype], f"error {err:.3g}, naive same-precision error {naive_err:.3g}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -97,19 +101,31 @@ def test_flash_attention_rising_scores(D, dtype):
         check(out, q, k, v, ref.attention(qh, kh, vh, causal, 0.2), causal, 0.2)
 
 
+def test_flash_attention_float32_keeps_float32_accuracy():
+    """The 3xTF32 split matters: the error stays at float32 level, far below one tf32
+    product's 2^-11 relative."""
+    B, H, T, D = 1, 2, 257, 64
+    rng = np.random.default_rng(5)
+    (q, k, v), (qh, kh, vh) = fused(rng, B, T, H, D, np.float32, scale=2.0)
+    out = K.flash_attention(q, k, v, causal=True)
+    expect = ref.attention(qh, kh, vh, True, 1 / math.sqrt(D)).transpose(0, 2, 1, 3)
+    assert np.abs(out.get() - expect).max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_attention_without_keys_gives_zeros(causal):
-    q = cp.ones((1, 5, 2, 64), np.float16)
-    empty = cp.ones((1, 0, 2, 64), np.float16)
-    out = poisoned(q.shape, np.float16)
+def test_flash_attention_without_keys_gives_zeros(causal, dtype):
+    q = cp.ones((1, 5, 2, 64), dtype)
+    empty = cp.ones((1, 0, 2, 64), dtype)
+    out = poisoned(q.shape, dtype)
     K.flash_attention(q, empty, empty, causal=causal, out=out)
     assert (out == 0).all()
 
 
 def test_flash_attention_bad_inputs_raise_before_launch():
     q = cp.ones((1, 8, 2, 64), np.float16)
-    with pytest.raises(TypeError, match="causal_attention"):
-        K.flash_attention(q.astype(np.float32), q.astype(np.float32), q.astype(np.float32))
+    with pytest.raises(TypeError, match="q has dtype float64"):
+        K.flash_attention(q.astype(np.float64), q.astype(np.float64), q.astype(np.float64))
     with pytest.raises(TypeError, match="k has dtype"):
         K.flash_attention(q, q.astype(_build.BFLOAT16), q)
     with pytest.raises(ValueError, match="head_dim"):
@@ -133,3 +149,6 @@ def test_flash_attention_bad_inputs_raise_before_launch():
         K.flash_attention(q, q, q, scale=0.0)
     with pytest.raises(ValueError, match="out"):
         K.flash_attention(q, q, q, out=cp.empty((1, 8, 2, 63), np.float16))
+    q32 = cp.ones((1, 8, 2, 64), np.float32)
+    with pytest.raises(ValueError, match="8-byte boundary"):  # float32 pairs are stored as 8 bytes
+        K.flash_attention(q32, q32, q32, out=cp.empty(q32.size + 1, np.float32)[1:].reshape(q32.shape))
