@@ -60,7 +60,6 @@ __device__ __forceinline__ void load_query(const T* p, float mul, float (&out)[V
 // log2-sum-exps into weights (a lane per split, shuffle reductions), then each thread
 // sums its column over the splits with MERGE_LOADS loads in flight. Loads bypass L1
 // (__ldcg): the partial results were written by other blocks.
-
 __device__ __forceinline__ void split_weights(float* __restrict__ w, const float* __restrict__ part_lse,
                                               long long row, long long rows, int splits) {
     const int lane = threadIdx.x % 32;
@@ -337,7 +336,7 @@ __global__ void __launch_bounds__(THREADS)
     if (!s_last) return;
     __threadfence();
     // splits past the last key hold nothing: leave them out
-    const int used = min(splits, (len + chunk - 1) / chunk);
+    const int used = chunk > 0 ? min(splits, (len + chunk - 1) / chunk) : 0;  // len 0: zeros
     __shared__ float s_w[QPB][MAX_SPLITS];
     const long long row_h0 = static_cast<long long>(b) * H + h0, rows = static_cast<long long>(gridDim.y) * H;
     if (threadIdx.x / 32 < QPB) split_weights(s_w[threadIdx.x / 32], part_lse, row_h0 + threadIdx.x / 32, rows, used);
