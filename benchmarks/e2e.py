@@ -96,6 +96,7 @@ def main():
     ceilings = {"copy_GBps": round(copy_ceiling_GBps(), 1)}
     cases = [  # (impl, model, dtype, cache, graph)
         ("transformers-eager", "gpt2", "float32", False, False),
+        ("transformers-sdpa", "gpt2", "float32", False, False),
         ("transformers-sdpa", "gpt2", "float32", True, False),
         ("transformers-sdpa", "gpt2", "float16", True, False),
         ("ours", "gpt2", "float32", False, False),
@@ -124,8 +125,11 @@ def main():
         print(f"{impl:20s} {size:8s} {dtype:9s} cache={cache!s:5s} graph={graph!s:5s} "
               f"{s:8.3f} s {NEW / s:9.1f} tok/s", flush=True)
     path = write_results("e2e", rows, ceilings)
-    base = {(r["model"], r["dtype"]): r["tok_s"] for r in rows if r["impl"] == "transformers-sdpa"}
+    base = {(r["model"], r["dtype"]): r["tok_s"] for r in rows if r["impl"] == "transformers-sdpa" and r["cache"]}
     print(f"\nwrote {path}")
+    no_cache = {r["impl"]: r["seconds"] for r in rows if r["model"] == "gpt2" and r["dtype"] == "float32" and not r["cache"]}
+    for impl in ("transformers-eager", "transformers-sdpa"):
+        print(f"ours gpt2 float32 without KV cache: {no_cache[impl] / no_cache['ours']:.2f}x {impl} (no cache)")
     for r in rows:
         if r["impl"] == "ours" and r["cache"] and (r["model"], r["dtype"]) in base:
             print(f"ours {r['model']} {r['dtype']} graph={r['graph']}: "
