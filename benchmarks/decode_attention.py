@@ -2,7 +2,7 @@
 
     python -m benchmarks.decode_attention [--quick]
 
-For each case: the median GPU time of ours (split chosen by the library's heuristic) and
+For each case: the median GPU time of ours (split and block width chosen by the library's heuristic) and
 of ``torch.nn.functional.scaled_dot_product_attention`` on the same cache memory (q of
 length 1, ``enable_gqa`` for grouped heads), CUDA events, cold L2, launches hidden behind a
 sleep kernel (benchmarks/common.py). GB/s = K and V bytes read / time:
@@ -72,9 +72,12 @@ class Case:
         v = torch.from_dlpack(self.cache["v_cache"])
         return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=H != H_kv)
 
-    def splits(self):
+    def config(self):
         B, H, H_kv, D, S = self.shape
-        return launch_config(self.q.dtype, self.cache["k_cache"].dtype, B, H, H_kv, D, S)[2]
+        return launch_config(self.q.dtype, self.cache["k_cache"].dtype, B, H, H_kv, D, S)
+
+    def splits(self):
+        return self.config().splits
 
 
 def measure(rows, group, dtype, B, H, H_kv, D, S, kv=None, graph=False, sdpa=True):
@@ -90,7 +93,8 @@ def measure(rows, group, dtype, B, H, H_kv, D, S, kv=None, graph=False, sdpa=Tru
         row = {**key, "impl": impl, "graph": False, "us": round(t["us"], 2), "us_min": round(t["us_min"], 2),
                "us_max": round(t["us_max"], 2), "GBps": round(case.nbytes / t["us"] / 1e3, 1)}
         if impl == "ours":
-            row["splits"] = case.splits()
+            cfg = case.config()
+            row.update(splits=cfg.splits, threads=cfg.threads, heads_per_block=H // cfg.blocks)
         rows.append(row)
         line.append(f"{impl} {t['us']:8.2f} us {row['GBps']:6.0f} GB/s")
     if graph:  # warm L2 inside a graph: the decode step's situation

@@ -45,6 +45,11 @@ def main():
             K.kv_append(kc, vc, qkv[:, :, 1], qkv[:, :, 2], cp.asarray([0, 5], dtype=np.int32),
                         seq_lens=cp.zeros(2, dtype=np.int32))
             K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32))
+            for S in (1000, 8200):  # narrow blocks, split; 4 query heads per wide block (B x S >= 8192)
+                kl, vl = r(1, 2, S, D, dtype=dtype), r(1, 2, S, D, dtype=dtype)
+                for splits in (None, 3):
+                    K.decode_attention(r(1, 8, D, dtype=dtype), kl, vl, cp.asarray([S - 3], dtype=np.int32),
+                                       num_splits=splits)
             for kv in ("int8", "fp8"):  # quantized caches, GQA (4 query heads per KV head), ALiBi, splits
                 storage = K.kv_storage_dtype(kv, dtype)
                 kq, vq = cp.empty((2, 2, T + 5, D), storage), cp.empty((2, 2, T + 5, D), storage)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from typing import NamedTuple
 
 import cupy
 import numpy
@@ -21,31 +22,46 @@ from .kv_cache import KV_CTYPES, cache_array, check_scales
 _SRC = "decode_attention.cu"
 HEAD_DIMS = (64, 128)
 _THREADS = 128
+# Wide blocks (512 threads: four times the rows in flight, combined in shared memory rather
+# than by a merge of splits) when the batch has at most one block per SM and the cache is in
+# the model's dtype: for grouped heads (4 per block), for caches a wide block covers in
+# _WIDE_UNSPLIT_TRIPS trips ... Measured on an H100, fp16, cold L2 (128 / 512 threads, best
+# split each): 32 heads x hd128 B=1 S=128 7.95 / 6.90 us, S=256 9.54 / 8.03, S=512 11.42 /
+# 10.37 (torch SDPA 7.87, 10.18, 12.06); 32 / 8 heads, 4 per block, S=32768 77.9 / 63.5 and
+# B=2 S=4096 31.7 / 24.9. Beyond two trips a split of narrow blocks is as fast cold and
+# faster in a replayed graph (GPT-2 B=1 S=1024: 9.31 / 9.57 us cold, 4.55 / 5.52 in a graph).
+_WIDE = 512
+_WIDE_UNSPLIT_TRIPS = 2
+# ... and when narrow blocks would split into at most this many chunks: the merge then
+# costs more than the chunks gain (32 x hd128, B=4, S=4096: 4 narrow splits 104.4 us, one
+# wide block 101.4; torch SDPA 101.6-102.5).
+_WIDE_BELOW_SPLITS = 4
 _UNROLL = 4  # decode_attention.cu
 _QPB = (4, 2, 1)  # query heads per block that share one K/V row
-# Grouped heads (32 query / 8 KV heads, hd128, fp16, best split each, H100, cold L2): four
-# query heads per block read each K/V row once but leave few blocks to run; two per block
-# read it twice (the second time from L2). B=1: S=1024 13.4 / 11.4 us (4 / 2 per block),
-# S=4096 20.9 / 18.2, S=32768 70.8 / 72.5; B=4, S=4096 41.3 / 45.6. So 4 per block from
-# this many cached rows in the batch (B x S_max) on, else 2.
-_QPB4_ROWS = 16384
-_MAX_SPLITS = 128  # decode_attention.cu: MAX_SPLITS
-# Blocks per SM the split aims for. Measured on an H100 (fp16, hd128, 128 threads, one
-# query head per block, up to 9 resident): at B=1, 32 heads, S=32768, 16 splits (3.9
-# blocks / SM) took 193.6 us, 32 splits 192.3 us, 38 splits (one full wave + a ragged
-# second: the old "fill every slot" rule) 213 us, 64 splits 196 us; at S=4096 16 and 32
-# splits tied (38 us) and 64 lost (40 us); GPT-2 (12 x hd64) at S=1024 was fastest at 8-16.
+# Grouped heads: the query heads of a KV head share a block (each K/V row read once) from
+# this many cached rows in the batch (B x S_max) on; below, one query head per block, whose
+# neighbours find the rows in L2. H100, fp16, 32 / 8 heads x hd128 (1 / 4 per block, best
+# configuration each): B=1 S=4096 16.9 / 17.5 us, S=8192 26.5 / 25.1, S=32768 71.9 / 63.5;
+# B=2 S=4096 26.0 / 24.9; B=1 S=1024 10.5 / 12.4.
+_SHARED_ROWS = 8192
+_MAX_SPLITS = 128
+# Blocks of 128 threads per SM the split aims for. Measured on an H100 (fp16, hd128, 128
+# threads, one query head per block, up to 9 resident): at B=1, 32 heads, S=32768, 16
+# splits (3.9 blocks / SM) took 193.6 us, 32 splits 192.3 us, 38 splits (one full wave + a
+# ragged second: the old "fill every slot" rule) 213 us, 64 splits 196 us; at S=4096 16 and
+# 32 splits tied (38 us) and 64 lost (40 us); GPT-2 (12 x hd64) at S=1024 was fastest at 8-16.
 _BLOCKS_PER_SM = 4
 # A cache of at most this many loop trips is not split: the splits' merge costs more than
 # the trips it saves. On an H100, cold L2, fp16 (decode_attention.cu pipelines trips):
 # 32 heads x hd128 (32-key trips) at S=128: 1 split 7.79 us, 4 splits 8.38; at B=4 9.57 /
 # 11.52; GPT-2 (12 x hd64, 64-key trips) at S=256: 1 split 7.39, 4 splits 7.87; at S=512
-# (8 trips) 1 split 9.70, 8 splits 8.35.
+# (8 trips) 1 split 9.70, 8 splits 8.35. Nor is a batch with a block for every SM: 32 heads
+# x hd128, B=8, S=4096 took 187.4 us unsplit and 190.9 with 2 splits.
 _UNSPLIT_TRIPS = 4
 
 
-def _name(c_type: str, kv_type: str, head_dim: int, qpb: int) -> str:
-    return f"decode_attention_kernel<{c_type}, {kv_type}, {head_dim}, {qpb}>"
+def _name(c_type: str, kv_type: str, head_dim: int, qpb: int, threads: int) -> str:
+    return f"decode_attention_kernel<{c_type}, {kv_type}, {head_dim}, {qpb}, {threads}>"
 
 
 def _merge_name(c_type: str, head_dim: int) -> str:
@@ -55,50 +71,70 @@ def _merge_name(c_type: str, head_dim: int) -> str:
 _build.declare(
     _SRC,
     [
-        _name(c, kv, d, qpb)
+        _name(c, kv, d, qpb, _THREADS)
         for c, d, qpb in itertools.product(_build.CTYPES.values(), HEAD_DIMS, _QPB)
         for kv in (c, *KV_CTYPES.values())
     ]
+    + [_name(c, c, d, qpb, _WIDE) for c, d, qpb in itertools.product(_build.CTYPES.values(), HEAD_DIMS, _QPB)]
     + [_merge_name(c, d) for c, d in itertools.product(_build.CTYPES.values(), HEAD_DIMS)],
 )
 
 
-def _tile(kv_itemsize: int, head_dim: int) -> int:
-    """Keys per loop trip of one block: (128 / lanes per key row) groups x UNROLL."""
+def _tile(kv_itemsize: int, head_dim: int, threads: int = _THREADS) -> int:
+    """Keys per loop trip of one block: (threads / lanes per key row) groups x UNROLL."""
     lanes = head_dim // (16 // kv_itemsize)
-    return _THREADS // lanes * _UNROLL
+    return threads // lanes * _UNROLL
 
 
 @functools.cache
-def _resident_blocks(kern_ptr: int) -> int:
+def _resident_blocks(kern_ptr: int, threads: int) -> int:
     from cupy_backends.cuda.api import driver
 
-    return max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(kern_ptr, _THREADS, 0))
+    return max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(kern_ptr, threads, 0))
 
 
-def choose_splits(kern, blocks: int, max_len: int, tile: int) -> int:
+def choose_splits(kern, blocks: int, max_len: int, tile: int, threads: int = _THREADS) -> int:
     """Chunks per sequence: as many as keep ``blocks`` (sequences x head groups) x splits
-    within one wave of _BLOCKS_PER_SM blocks per SM (or fewer if fewer fit), never a
-    chunk shorter than one loop trip of ``tile`` keys. Big batches and short caches
-    (at most _UNSPLIT_TRIPS trips) stay unsplit."""
+    within one wave of _BLOCKS_PER_SM blocks of 128 threads per SM (or fewer if fewer
+    fit), never a chunk shorter than one loop trip of ``tile`` keys. Batches with a block
+    for every SM and short caches (at most _UNSPLIT_TRIPS trips) stay unsplit."""
     trips = _build.cdiv(max_len, tile)
-    if trips <= _UNSPLIT_TRIPS:
+    sms = _build.sm_count(cupy.cuda.Device().id)
+    if trips <= _UNSPLIT_TRIPS or blocks >= sms:
         return 1
     raw = getattr(kern, "raw", kern)
-    per_sm = min(_BLOCKS_PER_SM, _resident_blocks(raw.kernel.ptr))
-    wave = _build.sm_count(cupy.cuda.Device().id) * per_sm
-    return max(1, min(wave // blocks, trips, _MAX_SPLITS))
+    per_sm = min(max(1, _BLOCKS_PER_SM * _THREADS // threads), _resident_blocks(raw.kernel.ptr, threads))
+    return max(1, min(sms * per_sm // blocks, trips, _MAX_SPLITS))
 
 
-def launch_config(dtype, cache_dtype, B: int, H: int, H_kv: int, D: int, S_max: int):
-    """(kernel, blocks per sequence, splits) that decode_attention launches for these sizes."""
+class Launch(NamedTuple):
+    kernel: object
+    blocks: int   # blocks per sequence (query head groups)
+    splits: int   # chunks per sequence
+    threads: int  # per block
+
+
+def launch_config(dtype, cache_dtype, B: int, H: int, H_kv: int, D: int, S_max: int) -> Launch:
+    """What decode_attention launches for these sizes."""
     c_type = _build.ctype(dtype)
-    kv_type = c_type if numpy.dtype(cache_dtype) == numpy.dtype(dtype) else KV_CTYPES[numpy.dtype(cache_dtype)]
+    plain = numpy.dtype(cache_dtype) == numpy.dtype(dtype)
+    kv_type = c_type if plain else KV_CTYPES[numpy.dtype(cache_dtype)]
     group = H // H_kv
-    qpb = next(n for n in _QPB if group % n == 0 and (n < 4 or B * S_max >= _QPB4_ROWS))
-    kern = _build.kernel(_SRC, _name(c_type, kv_type, D, qpb))
-    blocks = H // qpb
-    return kern, blocks, choose_splits(kern, blocks * B, S_max, _tile(numpy.dtype(cache_dtype).itemsize, D))
+    qpb = next(n for n in _QPB if group % n == 0) if B * S_max >= _SHARED_ROWS else 1
+    blocks, units = H // qpb, B * H // qpb
+    itemsize = numpy.dtype(cache_dtype).itemsize
+
+    def config(threads: int) -> Launch:
+        kern = _build.kernel(_SRC, _name(c_type, kv_type, D, qpb, threads))
+        return Launch(kern, blocks, choose_splits(kern, units, S_max, _tile(itemsize, D, threads), threads), threads)
+
+    narrow = config(_THREADS)
+    if not plain or units > _build.sm_count(cupy.cuda.Device().id):
+        return narrow
+    if (qpb > 1 or _build.cdiv(S_max, _tile(itemsize, D, _WIDE)) <= _WIDE_UNSPLIT_TRIPS
+            or narrow.splits <= _WIDE_BELOW_SPLITS):
+        return config(_WIDE)
+    return narrow
 
 
 _COUNTERS: dict[tuple[int, int], cupy.ndarray] = {}
@@ -134,7 +170,8 @@ def _or_null(*arrays):
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=None, alibi_slopes=None,
-                     scale: float | None = None, num_splits: int | None = None, merge: str = "last-block",
+                     scale: float | None = None, num_splits: int | None = None, threads: int | None = None,
+                     merge: str = "last-block",
                      out=None) -> cupy.ndarray:
     """``softmax(q . K[:len] * scale + alibi) V[:len]`` for each sequence and query head.
 
@@ -145,11 +182,14 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     [B_cache, H_kv, S_max], one scale per row (kv_append writes them). seq_lens: int32 [B],
     the valid cache rows of each sequence (1 <= len <= S_max, not checked on the GPU).
     alibi_slopes: optional float32 [H]; adds slope_h * (s - len + 1) to the score of key s.
-    D in {64, 128}. num_splits: chunks per sequence, 1 to 128 (default: chosen from B,
-    heads, S_max and the GPU's SM count). merge: how split chunks are combined: 'last-block' (the last
+    D in {64, 128}. num_splits: chunks per sequence, 1 to 128; threads: per block, 128 or
+    512 (512 for caches in q's dtype only); both chosen from B, heads, S_max and the GPU's
+    SM count by default (launch_config). Fixing them fixes the order of every sum, so a
+    sequence's output does not depend on the batch around it. merge: how split chunks are combined: 'last-block' (the last
     block of a head to finish merges them, one launch) or 'kernel' (a second small kernel;
-    inside a replayed CUDA graph, where a launch costs less, measured 0.2-0.4 us faster
-    per call for GPT-2's shape on an H100, and 1-2 us slower outside one).
+    inside a replayed CUDA graph, where a launch costs less, measured 0.4-0.5 us faster
+    per call on an H100 for B=1, S=1024 with GPT-2's heads and with 32 x hd128; slower
+    outside one, where the second launch is not hidden).
     Returns [B, H, D] in q's dtype.
     """
     q = _checks.float_array(q, "q", ndim=3, contiguous=False)
@@ -182,20 +222,27 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
         raise ValueError("q rows must start on 16-byte boundaries")
     if num_splits is not None and not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
+    if threads is not None and threads not in (_THREADS, _WIDE):
+        raise ValueError(f"threads must be {_THREADS} or {_WIDE}, got {threads}")
+    if threads == _WIDE and quantized:
+        raise ValueError(f"{_WIDE} threads per block take a cache in q's dtype, not {k_cache.dtype}")
     if merge not in ("last-block", "kernel"):
         raise ValueError(f"merge must be 'last-block' or 'kernel', got {merge!r}")
     out = _checks.output(out, "out", (B, H, D), q.dtype)
     if B == 0 or H == 0:
         return out
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    kern, blocks, splits = launch_config(q.dtype, k_cache.dtype, B, H, H_kv, D, S_max)
+    kern, blocks, splits, auto_threads = launch_config(q.dtype, k_cache.dtype, B, H, H_kv, D, S_max)
     splits = num_splits or splits
+    if threads is not None and threads != auto_threads:
+        kern = _build.kernel(_SRC, _name(_build.ctype(q.dtype), kv_type, D, H // blocks, threads))
+    threads = threads or auto_threads
     part_o = part_lse = counters = None
     if splits > 1:  # scratch; a recorded plan's arguments keep it alive
         part_o, part_lse = _partials(splits, B, H, D)
         if merge == "last-block":
             counters = _counters(B * blocks)
-    kern((blocks, B, splits), (_THREADS,),
+    kern((blocks, B, splits), (threads,),
          (out, *_or_null(part_o, part_lse, counters), q, k_cache, v_cache, *_or_null(k_scale, v_scale), seq_lens,
           *_or_null(alibi_slopes),
           i32(H), i32(H_kv), i32(S_max), i64(q.strides[0] // item), f32(scale)))

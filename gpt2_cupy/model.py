@@ -253,10 +253,10 @@ class GPT2:
         cfg = self.config
         B, C, H, D, eps = buf.x.shape[0], cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
         qkv = buf.qkv.reshape(B, 1, 3, H, D)  # view: [B, T=1, 3, H, D]
-        # split each sequence's cache as if it ran alone, so that its numbers (and tokens)
-        # do not depend on what it is batched with; merge the splits with a second kernel,
-        # the faster way inside a CUDA graph (cupy_kernels/decode_attention.py)
-        splits = launch_config(self.dtype, cache.k.dtype, 1, H, H, D, cache.max_len)[2]
+        # split each sequence's cache and size its blocks as if it ran alone, so that its
+        # numbers (and tokens) do not depend on what it is batched with; merge the splits
+        # with a second kernel, the faster way inside a CUDA graph (cupy_kernels/decode_attention.py)
+        alone = launch_config(self.dtype, cache.k.dtype, 1, H, H, D, cache.max_len)
         with _build.recording() as plan:
             K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x)
             K.layernorm(buf.x, self.blocks[0].ln_1_w, self.blocks[0].ln_1_b, eps=eps, out=buf.h)
@@ -264,8 +264,8 @@ class GPT2:
                 K.linear(buf.h, blk.attn_w, blk.attn_b, out=buf.qkv)
                 K.kv_append(k=qkv[:, :, 1], v=qkv[:, :, 2], start=cache.positions, seq_lens=cache.lengths,
                             **cache.layer(i))
-                K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, num_splits=splits, merge="kernel",
-                                   out=buf.att, **cache.layer(i))
+                K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, num_splits=alone.splits,
+                                   threads=alone.threads, merge="kernel", out=buf.att, **cache.layer(i))
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, out=buf.y)
                 K.layernorm_residual(buf.x, buf.y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b,
                                      eps=eps, out=buf.h, sum_out=buf.x)

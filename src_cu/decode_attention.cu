@@ -7,26 +7,26 @@
 // Cache layout [B, H_kv, S_max, D] in the model's dtype, int8 or fp8 e4m3 (kv.cuh; quantized
 // rows carry a float scale each, [B, H_kv, S_max]). Sequence b uses its first len_b rows.
 //
-// Mapping: a block of 128 threads per (QPB query heads of one KV head, sequence, split).
-// A group of G = D / N lanes holds one key row as 16-byte vectors (N elements each: G = 8
-// for fp16 hd64, 16 for fp16 hd128, 8 for int8 hd128), so the block's 128 / G groups work on
-// different keys; each loads UNROLL key and value rows before using any, then computes QPB
-// dot products per key (the KV row is read once for the QPB heads that share it: GQA),
-// reduces them over the G lanes with xor-shuffles and updates an online softmax (one
-// rescale per UNROLL keys). The groups' partial results are merged through shared memory.
+// Mapping: a block of THREADS (128, or 512 for few blocks) per (QPB query heads of one KV
+// head, sequence, split). A group of G = D / N lanes holds one key row as 16-byte vectors
+// (N elements each: G = 8 for fp16 hd64, 16 for fp16 hd128, 8 for int8 hd128), so the
+// block's THREADS / G groups work on different keys; each loads UNROLL key and value rows
+// before using any, then computes QPB dot products per key (the KV row is read once for
+// the QPB heads that share it: GQA), reduces them over the G lanes with xor-shuffles and
+// updates an online softmax (one rescale per UNROLL keys). The groups of a warp combine
+// their results with shuffles, the warps theirs through shared memory.
 // The first chunk's first trip of rows is requested before the sequence length arrives
 // (it starts at row 0 whatever the length), so an unsplit short cache waits for memory once.
 // Split: blockIdx.z takes one of gridDim.z equal chunks of the sequence (multiples of the
 // block's key tile). With one split the block writes out; otherwise it writes its output,
 // normalized, and its log2-sum-exp to float32 scratch, and the chunks are combined either
 // by the last block of the heads to finish (given counters) or by decode_attention_merge_kernel,
-// both with merge_column: a warp weighs the splits, then every thread sums its column over
-// them with 8 loads in flight.
+// both with merge_column (a thread per output column, 16 splits in flight).
 // Bytes: the K and V rows of each sequence once (2 len D sizeof(KT) per KV head, + scales);
 // FLOPs 4 len D per query head.
 //
 // Specializations: T in {float, __half, __nv_bfloat16} x KT in {T, signed char, __nv_fp8_e4m3}
-// x D in {64, 128} x QPB in {1, 2, 4}.
+// x D in {64, 128} x QPB in {1, 2, 4}, THREADS 128; and THREADS 512 for KT = T.
 // Wrapper: cupy_kernels/decode_attention.py   Tests: tests/test_decode_attention_gpu.py
 // Benchmark: benchmarks/decode_attention.py
 #include "kv.cuh"
@@ -34,10 +34,7 @@
 using namespace g2c;
 
 namespace {
-constexpr int THREADS = 128;
-constexpr int UNROLL = 4;  // key and value rows in flight per group
-constexpr int MAX_SPLITS = 128;  // the wrapper's limit: each lane of a warp weighs 4 splits
-constexpr int MERGE_LOADS = 8;   // partial results in flight per thread while merging
+constexpr int MERGE_LOADS = 16;  // splits' partial results in flight per thread while merging
 }  // namespace
 
 // Load n = VEC elements of the query starting at p (VEC a multiple of T's 16-byte vector).
@@ -56,58 +53,45 @@ __device__ __forceinline__ void load_query(const T* p, float mul, float (&out)[V
 
 // The splits' partial results of one (sequence, head) row are combined as
 //   out[row, d] = sum_i w_i o_i[row, d],   w_i = 2^(lse_i - max lse) / sum_j 2^(lse_j - max lse)
-// in two steps so that no thread waits on a chain of loads: one warp turns the row's
-// log2-sum-exps into weights (a lane per split, shuffle reductions), then each thread
-// sums its column over the splits with MERGE_LOADS loads in flight. Loads bypass L1
-// (__ldcg): the partial results were written by other blocks.
-__device__ __forceinline__ void split_weights(float* __restrict__ w, const float* __restrict__ part_lse,
-                                              long long row, long long rows, int splits) {
-    const int lane = threadIdx.x % 32;
-    float lse[MAX_SPLITS / 32];
-    float mx = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < MAX_SPLITS / 32; ++k) {
-        const int i = lane + 32 * k;
-        lse[k] = i < splits ? __ldcg(part_lse + i * rows + row) : -INFINITY;
-        mx = fmaxf(mx, lse[k]);
-    }
-    mx = warp_max(mx);
-    float sum = 0.0f;
-#pragma unroll
-    for (int k = 0; k < MAX_SPLITS / 32; ++k) {
-        lse[k] = mx == -INFINITY ? 0.0f : exp2f(lse[k] - mx);  // no key at all: every weight 0
-        sum += lse[k];
-    }
-    sum = warp_sum(sum);
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-#pragma unroll
-    for (int k = 0; k < MAX_SPLITS / 32; ++k)
-        if (lane + 32 * k < splits) w[lane + 32 * k] = lse[k] * inv;
-}
-
+// by one thread per column, online over the splits (a running max, as in the kernel's
+// softmax): it requests MERGE_LOADS splits' log2-sum-exps and outputs at once, so that
+// up to MERGE_LOADS splits cost one memory latency. Loads bypass L1 (__ldcg): the partial
+// results were written by other blocks.
 template <typename T, int D>
 __device__ __forceinline__ void merge_column(T* __restrict__ out, const float* __restrict__ part_o,
-                                             const float* __restrict__ w, long long row, long long rows,
+                                             const float* __restrict__ part_lse, long long row, long long rows,
                                              int splits, int d) {
-    const float* p = part_o + row * D + d;
-    const long long step = rows * D;  // one split to the next
-    float o = 0.0f;
-    int i = 0;
-    for (; i + MERGE_LOADS <= splits; i += MERGE_LOADS) {
-        float x[MERGE_LOADS];
+    float m = -INFINITY, l = 0.0f, o = 0.0f;
+    for (int i = 0; i < splits; i += MERGE_LOADS) {
+        float lse[MERGE_LOADS], x[MERGE_LOADS];
 #pragma unroll
-        for (int u = 0; u < MERGE_LOADS; ++u) x[u] = __ldcg(p + (i + u) * step);
+        for (int u = 0; u < MERGE_LOADS; ++u) {
+            const bool in = i + u < splits;
+            lse[u] = in ? __ldcg(part_lse + (i + u) * rows + row) : -INFINITY;
+            x[u] = in ? __ldcg(part_o + ((i + u) * rows + row) * D + d) : 0.0f;
+        }
+        float mx = m;
 #pragma unroll
-        for (int u = 0; u < MERGE_LOADS; ++u) o = fmaf(w[i + u], x[u], o);
+        for (int u = 0; u < MERGE_LOADS; ++u) mx = fmaxf(mx, lse[u]);
+        if (mx == -INFINITY) continue;  // no key so far
+        const float alpha = exp2f(m - mx);
+        l *= alpha;
+        o *= alpha;
+#pragma unroll
+        for (int u = 0; u < MERGE_LOADS; ++u) {
+            const float w = exp2f(lse[u] - mx);
+            l += w;
+            o = fmaf(w, x[u], o);
+        }
+        m = mx;
     }
-    for (; i < splits; ++i) o = fmaf(w[i], __ldcg(p + i * step), o);
-    out[row * D + d] = from_float<T>(o);
+    out[row * D + d] = from_float<T>(l > 0.0f ? o / l : 0.0f);  // no key at all: zeros
 }
 
 // The key and value rows of one loop trip of a group: rows base + u GROUPS + group (u <
 // UNROLL) below `end`, as raw 16-byte vectors, with their scales; zeros beyond `end` (a
 // masked key must not bring NaN into 0 * v).
-template <typename KT, int GROUPS> struct Trip {
+template <typename KT, int GROUPS, int UNROLL, bool STREAMING> struct Trip {
     KvVec<KT> k[UNROLL], v[UNROLL];
     float k_scale[UNROLL], v_scale[UNROLL];
 
@@ -118,8 +102,13 @@ template <typename KT, int GROUPS> struct Trip {
             const int s = base + u * GROUPS + group;
             k_scale[u] = v_scale[u] = 1.0f;
             if (s < end) {
-                k[u].load(kc + static_cast<long long>(s) * D);
-                v[u].load(vc + static_cast<long long>(s) * D);
+                if constexpr (STREAMING) {
+                    k[u].load_streaming(kc + static_cast<long long>(s) * D);
+                    v[u].load_streaming(vc + static_cast<long long>(s) * D);
+                } else {
+                    k[u].load(kc + static_cast<long long>(s) * D);
+                    v[u].load(vc + static_cast<long long>(s) * D);
+                }
                 if constexpr (KvFormat<KT>::QUANTIZED) {
                     k_scale[u] = ks[s];
                     v_scale[u] = vs[s];
@@ -144,7 +133,7 @@ template <typename KT, int GROUPS> struct Trip {
     }
 };
 
-template <typename T, typename KT, int D, int QPB>
+template <typename T, typename KT, int D, int QPB, int THREADS>
 __global__ void __launch_bounds__(THREADS)
     decode_attention_kernel(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse,
                             unsigned* __restrict__ counters, const T* __restrict__ q, const KT* __restrict__ k_cache,
@@ -156,18 +145,27 @@ __global__ void __launch_bounds__(THREADS)
     constexpr int VEC = KvVec<KT>::N;
     constexpr int G = D / VEC;  // lanes per key row
     static_assert(G <= 32 && 32 % G == 0, "a key row must fit in one warp");
-    constexpr int GROUPS = THREADS / G;
-    constexpr int TILE = GROUPS * UNROLL;  // keys per loop trip; split chunks are multiples
-    // Two trips of rows in flight (PIPELINE) for one query head per block of 16-bit or
-    // float32 rows: measured on an H100 (fp16, cold L2), it cut 32 heads x hd128 at B=1
-    // from 8.91 to 7.79 us at S=128 (one split) and from 878.7 to 584.3 us at S=32768 with
-    // one split (190.6 -> 191.3 at the chosen 16), and GPT-2 at S=256 from 8.19 to 7.39 us.
-    // With grouped heads (QPB > 1: 2 QPB VEC registers of query and output per thread) and
-    // 1-byte rows it raised registers to 140-205 and was not faster (32 / 8 heads, S=4096:
-    // 18.2 us without, 20.2 with, each at its best split).
+    constexpr int GROUPS = THREADS / G, WARPS = THREADS / 32;
+    // Rows in flight per group: UNROLL key and value rows per loop trip, and with PIPELINE
+    // the next trip's rows requested before this trip's are used (two sets of row
+    // registers). Pipelining one query head per block of 16-bit or float32 rows, measured
+    // on an H100 (fp16, cold L2), cut 32 heads x hd128 at B=1 from 8.91 to 7.79 us at S=128
+    // (one split) and from 878.7 to 584.3 us at S=32768 with one split, and GPT-2 at S=256
+    // from 8.19 to 7.39 us. With grouped heads (QPB > 1: 2 QPB VEC registers of query and
+    // output per thread) and 1-byte rows it raised registers to 140-205 and was not faster
+    // (32 / 8 heads, S=4096: 18.2 us without, 20.2 with, each at its best split).
     constexpr bool PIPELINE = QPB * VEC <= 8;
-    __shared__ float s_m[QPB][GROUPS], s_l[QPB][GROUPS];
-    __shared__ float s_o[QPB][GROUPS][D];
+    constexpr int UNROLL = 4;
+    // Grouped heads read rows with the evict-first hint (ld.global.cs): measured on an H100
+    // (fp16, 32 / 8 heads x hd128, 4 per block of 512 threads, cold L2) it cut B=1 S=32768
+    // from 63.8 to 60.5 us, B=4 S=4096 from 39.6 to 35.3 and B=8 S=4096 from 63.6 to 60.3;
+    // with one query head per block it cost 32 x hd128 B=8 S=4096 4% (186.8 -> 195.2 us)
+    // and B=1 S=32768 (16 splits) 4% (191.2 -> 198.7).
+    constexpr bool STREAMING = QPB > 1;
+    using Rows = Trip<KT, GROUPS, UNROLL, STREAMING>;
+    constexpr int TILE = GROUPS * UNROLL;  // keys per loop trip; split chunks are multiples
+    __shared__ float s_m[QPB][WARPS], s_l[QPB][WARPS];
+    __shared__ float s_o[QPB][WARPS][D];
 
     const int heads_per_kv = H / H_kv, head_groups = heads_per_kv / QPB;
     const int g = blockIdx.x / head_groups;                          // KV head
@@ -184,7 +182,7 @@ __global__ void __launch_bounds__(THREADS)
     // the cache's S_max rows) are requested before the length arrives, which takes one
     // memory latency off a short cache's critical path. Rows past the length are zeroed
     // once it is known.
-    Trip<KT, GROUPS> cur, next;
+    Rows cur, next;
     const bool early = split == 0;
     if (early) cur.load(kc, vc, ks, vs, D, group, 0, min(TILE, S_max));
 
@@ -204,7 +202,7 @@ __global__ void __launch_bounds__(THREADS)
     }
 
     // One loop trip over the rows of t: scores, online softmax, O += P V.
-    auto use_trip = [&](const Trip<KT, GROUPS>& t, int base) {
+    auto use_trip = [&](const Rows& t, int base) {
         float dot[QPB][UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -291,24 +289,44 @@ __global__ void __launch_bounds__(THREADS)
         }
     }
 
+    // The groups of a warp combine their (m, l, acc) by xor-shuffles over the lane bits
+    // above the group's own, then the warps theirs through shared memory.
 #pragma unroll
-    for (int j = 0; j < QPB; ++j) {
-        if (sub == 0) {
-            s_m[j][group] = m[j];
-            s_l[j][group] = l[j];
+    for (int off = G; off < 32; off <<= 1) {
+#pragma unroll
+        for (int j = 0; j < QPB; ++j) {
+            const float m_o = __shfl_xor_sync(FULL_MASK, m[j], off), l_o = __shfl_xor_sync(FULL_MASK, l[j], off);
+            const float mx = fmaxf(m[j], m_o), m_use = mx == -INFINITY ? 0.0f : mx;
+            const float a = exp2f(m[j] - m_use), c = exp2f(m_o - m_use);
+            l[j] = l[j] * a + l_o * c;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[j][i] = acc[j][i] * a + __shfl_xor_sync(FULL_MASK, acc[j][i], off) * c;
+            m[j] = mx;
         }
+    }
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 < G) {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) s_o[j][group][sub * VEC + i] = acc[j][i];
+        for (int j = 0; j < QPB; ++j) {
+            if (sub == 0) {
+                s_m[j][warp] = m[j];
+                s_l[j][warp] = l[j];
+            }
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) s_o[j][warp][sub * VEC + i] = acc[j][i];
+        }
     }
     __syncthreads();
 
     for (int e = threadIdx.x; e < QPB * D; e += THREADS) {
         const int j = e / D, d = e % D;
         float mx = -INFINITY;
-        for (int k = 0; k < GROUPS; ++k) mx = fmaxf(mx, s_m[j][k]);
+#pragma unroll
+        for (int k = 0; k < WARPS; ++k) mx = fmaxf(mx, s_m[j][k]);
         float sum = 0.0f, o = 0.0f;
         if (mx != -INFINITY) {
-            for (int k = 0; k < GROUPS; ++k) {
+#pragma unroll
+            for (int k = 0; k < WARPS; ++k) {
                 const float w = exp2f(s_m[j][k] - mx);
                 sum += s_l[j][k] * w;
                 o += s_o[j][k][d] * w;
@@ -337,12 +355,9 @@ __global__ void __launch_bounds__(THREADS)
     __threadfence();
     // splits past the last key hold nothing: leave them out
     const int used = chunk > 0 ? min(splits, (len + chunk - 1) / chunk) : 0;  // len 0: zeros
-    __shared__ float s_w[QPB][MAX_SPLITS];
     const long long row_h0 = static_cast<long long>(b) * H + h0, rows = static_cast<long long>(gridDim.y) * H;
-    if (threadIdx.x / 32 < QPB) split_weights(s_w[threadIdx.x / 32], part_lse, row_h0 + threadIdx.x / 32, rows, used);
-    __syncthreads();
     for (int e = threadIdx.x; e < QPB * D; e += THREADS)
-        merge_column<T, D>(out, part_o, s_w[e / D], row_h0 + e / D, rows, used, e % D);
+        merge_column<T, D>(out, part_o, part_lse, row_h0 + e / D, rows, used, e % D);
 }
 
 // The merge as a kernel of its own, for launches without counters: one block of D
@@ -351,8 +366,5 @@ template <typename T, int D>
 __global__ void __launch_bounds__(D)
     decode_attention_merge_kernel(T* __restrict__ out, const float* __restrict__ part_o,
                                   const float* __restrict__ part_lse, int rows, int splits) {
-    __shared__ float s_w[MAX_SPLITS];
-    if (threadIdx.x < 32) split_weights(s_w, part_lse, blockIdx.x, rows, splits);
-    __syncthreads();
-    merge_column<T, D>(out, part_o, s_w, blockIdx.x, rows, splits, threadIdx.x);
+    merge_column<T, D>(out, part_o, part_lse, blockIdx.x, rows, splits, threadIdx.x);
 }

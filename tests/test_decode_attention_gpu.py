@@ -55,9 +55,9 @@ def build_cache(rng, B, H_kv, S, D, lens, dtype, kv):
 CASES = [  # H, H_kv, D, lens, alibi
     (12, 12, 64, [1], False),
     (12, 12, 64, [7, 1000, 1, 4097], True),
-    (8, 2, 128, [4097, 33], False),  # GQA, 4 query heads per KV head (2 per block: a short batch)
-    (8, 2, 64, [16381, 5], False),  # GQA, 4 query heads per KV head and per block (B x S_max >= 16384)
-    (6, 3, 64, [1000, 7], True),  # GQA, 2 per KV head
+    (8, 2, 128, [4097, 33], False),  # GQA, 4 query heads per KV head and per block (B x S_max >= 8192)
+    (8, 2, 64, [16381, 5], False),  # the same with hd64
+    (6, 3, 64, [1000, 7], True),  # GQA, 2 per KV head (one per block: a short batch)
     (5, 1, 128, [1, 1000], False),  # MQA, 5 query heads
     (32, 1, 64, [4097], True),  # MQA, 32 query heads (8 blocks share each KV row)
 ]
@@ -84,6 +84,35 @@ def test_decode_attention(H, H_kv, D, lens, alibi, dtype, kv, splits, merge):
     check(out, ref.decode_attention(q_rowsh[:, 0], k_host, v_host, lens, alibi_slopes=slopes), dtype)
     for counters in _COUNTERS.values():  # the last-block merge leaves its counters zeroed
         assert not counters.any()
+
+
+@pytest.mark.parametrize("threads", [128, 512])
+@pytest.mark.parametrize("qpb", [1, 2, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_every_block_shape(dtype, qpb, threads, monkeypatch):
+    """Each declared (query heads per block, threads) kernel of a cache in the model's dtype,
+    whatever launch_config would pick, with one split and several."""
+    import importlib
+
+    from cupy_kernels import _build
+
+    mod = importlib.import_module("cupy_kernels.decode_attention")  # the package's name is the function
+
+    def forced(dt, cache_dtype, B, H, H_kv, D, S_max):
+        name = mod._name(_build.ctype(dt), _build.ctype(dt), D, qpb, threads)
+        return mod.Launch(_build.kernel(mod._SRC, name), H // qpb, 1, threads)
+
+    monkeypatch.setattr(mod, "launch_config", forced)
+    rng = np.random.default_rng(qpb * threads)
+    H, H_kv, lens = 8, 2, [1500, 33, 1]
+    for D in (64, 128):
+        cache, k_host, v_host = build_cache(rng, len(lens), H_kv, max(lens) + 5, D, lens, dtype, None)
+        q, qh = rand(rng, (len(lens), H, D), dtype)
+        want = ref.decode_attention(qh, k_host, v_host, lens)
+        for splits in (1, 7):
+            out = poisoned((len(lens), H, D), dtype)
+            K.decode_attention(q, seq_lens=cp.asarray(np.array(lens, np.int32)), num_splits=splits, out=out, **cache)
+            check(out, want, dtype)
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -127,15 +156,19 @@ def test_launch_config_splits_and_heads_per_block():
 
     fp16 = np.float16
     sms = _build.sm_count(cp.cuda.Device().id)
-    assert launch_config(fp16, fp16, 128, 32, 32, 128, 4096)[2] == 1  # a batch that fills the GPU many times
-    splits = launch_config(fp16, fp16, 1, 32, 32, 128, 32768)[2]  # one long sequence: spread over the SMs
-    assert splits > 1 and splits * 32 >= sms
-    assert launch_config(fp16, fp16, 1, 12, 12, 64, 128)[2] == 1  # two loop trips of keys: cheaper than a merge
-    assert launch_config(fp16, fp16, 1, 12, 12, 64, 1024)[2] > 1
-    # grouped heads: 2 query heads per block for a short batch, 4 (one read of each K/V row) for a long one
-    assert launch_config(fp16, fp16, 1, 32, 8, 128, 4096)[1] == 16
-    assert launch_config(fp16, fp16, 1, 32, 8, 128, 32768)[1] == 8
-
+    big = launch_config(fp16, fp16, 128, 32, 32, 128, 4096)  # a batch that fills the GPU many times
+    assert (big.splits, big.threads) == (1, 128)
+    long = launch_config(fp16, fp16, 1, 32, 32, 128, 32768)  # one long sequence: split over the SMs
+    assert long.threads == 128 and long.splits > 1 and long.blocks * long.splits >= sms
+    short = launch_config(fp16, fp16, 1, 12, 12, 64, 512)  # two trips of a wide block: no merge
+    assert (short.threads, short.splits) == (512, 1)
+    assert launch_config(fp16, np.int8, 1, 12, 12, 64, 512).threads == 128  # quantized rows: narrow blocks
+    # grouped heads: one query head per block for a short batch, 4 (one read of each K/V row,
+    # in wide blocks) for a long one
+    assert launch_config(fp16, fp16, 1, 32, 8, 128, 4096).blocks == 32
+    gqa = launch_config(fp16, fp16, 1, 32, 8, 128, 32768)
+    assert (gqa.blocks, gqa.threads) == (8, 512) and gqa.splits > 1
+    assert launch_config(fp16, fp16, 1, 24, 8, 128, 32768).blocks == 24  # 3 per KV head: no 2 or 4 divides
 
 def test_decode_attention_bad_inputs_raise():
     q = cp.zeros((2, 8, 64), np.float16)
@@ -155,6 +188,12 @@ def test_decode_attention_bad_inputs_raise():
         K.decode_attention(q, kc, kc, seq, num_splits=0)
     with pytest.raises(ValueError, match="num_splits"):
         K.decode_attention(q, kc, kc, seq, num_splits=129)
+    with pytest.raises(ValueError, match="threads"):
+        K.decode_attention(q, kc, kc, seq, threads=256)
+    kq = cp.zeros((2, 4, 16, 64), np.int8)
+    with pytest.raises(ValueError, match="512 threads"):
+        K.decode_attention(q, kq, kq, seq, threads=512, k_scale=cp.ones((2, 4, 16), np.float32),
+                           v_scale=cp.ones((2, 4, 16), np.float32))
     with pytest.raises(ValueError, match="merge"):
         K.decode_attention(q, kc, kc, seq, merge="tree")
     with pytest.raises(ValueError, match="alibi_slopes"):
