@@ -160,8 +160,9 @@ __global__ void __launch_bounds__(THREADS)
     // (fp16, 32 / 8 heads x hd128, 4 per block of 512 threads, cold L2) it cut B=1 S=32768
     // from 63.8 to 60.5 us, B=4 S=4096 from 39.6 to 35.3 and B=8 S=4096 from 63.6 to 60.3;
     // with one query head per block it cost 32 x hd128 B=8 S=4096 4% (186.8 -> 195.2 us)
-    // and B=1 S=32768 (16 splits) 4% (191.2 -> 198.7).
-    constexpr bool STREAMING = QPB > 1;
+    // and B=1 S=32768 (16 splits) 4% (191.2 -> 198.7). float32 rows keep plain loads: with
+    // the hint ptxas spilled 8 bytes for sm_80-89 at hd128 (their speed is not measured).
+    constexpr bool STREAMING = QPB > 1 && sizeof(KT) < 4;
     using Rows = Trip<KT, GROUPS, UNROLL, STREAMING>;
     constexpr int TILE = GROUPS * UNROLL;  // keys per loop trip; split chunks are multiples
     __shared__ float s_m[QPB][WARPS], s_l[QPB][WARPS];
