@@ -12,7 +12,8 @@ sleep kernel (benchmarks/common.py). GB/s = K and V bytes read / time:
 Cases: the "Decoding Attention" article's (32 heads x hd128 fp16: batch 1 over S = 128 ..
 32768, and batch 1 .. 128 at S = 128 and 4096), GQA (32 heads, 8 KV heads) and GPT-2
 small's (12 heads x hd64, S <= 1024, batch 1 .. 64; also replayed inside a CUDA graph,
-rows with graph: true, ours with each merge of the splits and torch SDPA in a torch graph). int8 and fp8 caches are timed on the article's batch-1 sweep.
+rows with graph: true, ours with each merge of the splits and torch SDPA in a torch
+graph). int8 and fp8 caches are timed on the article's batch-1 sweep.
 A split sweep records why the heuristic picks what it picks. Accuracy of the quantized
 caches: the attention output against the fp16 cache's, and the greedy-token agreement of
 a 512-token GPT-2 generation (random weights: no GPT-2 checkpoint is reachable here).

@@ -185,11 +185,11 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     D in {64, 128}. num_splits: chunks per sequence, 1 to 128; threads: per block, 128 or
     512 (512 for caches in q's dtype only); both chosen from B, heads, S_max and the GPU's
     SM count by default (launch_config). Fixing them fixes the order of every sum, so a
-    sequence's output does not depend on the batch around it. merge: how split chunks are combined: 'last-block' (the last
-    block of a head to finish merges them, one launch) or 'kernel' (a second small kernel;
-    inside a replayed CUDA graph, where a launch costs less, measured 0.4-0.5 us faster
-    per call on an H100 for B=1, S=1024 with GPT-2's heads and with 32 x hd128; slower
-    outside one, where the second launch is not hidden).
+    sequence's output does not depend on the batch around it. merge: how split chunks are
+    combined: 'last-block' (the last block of a head to finish merges them, one launch) or
+    'kernel' (a second small kernel; inside a replayed CUDA graph, where a launch costs
+    less, measured 0.4-0.5 us faster per call on an H100 for B=1, S=1024 with GPT-2's heads
+    and with 32 x hd128; slower outside one, where the second launch is not hidden).
     Returns [B, H, D] in q's dtype.
     """
     q = _checks.float_array(q, "q", ndim=3, contiguous=False)
