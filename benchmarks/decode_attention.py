@@ -13,7 +13,10 @@ Cases: the "Decoding Attention" article's (32 heads x hd128 fp16: batch 1 over S
 32768, and batch 1 .. 128 at S = 128 and 4096), GQA (32 heads, 8 KV heads) and GPT-2
 small's (12 heads x hd64, S <= 1024, batch 1 .. 64; also replayed inside a CUDA graph,
 rows with graph: true, ours with each merge of the splits and torch SDPA in a torch
-graph). int8 and fp8 caches are timed on the article's batch-1 sweep.
+graph). int8 and fp8 caches are timed on the article's batch-1 sweep. At batch 1 with
+S <= 1024 a read floor is timed too (impl "read-floor": cupy_kernels.read_floor reading the
+same K and V bytes and nothing else, best of a few grid shapes), the time no attention
+kernel can beat under the same timer.
 A split sweep records why the heuristic picks what it picks. Accuracy of the quantized
 caches: the attention output against the fp16 cache's, and the greedy-token agreement of
 a 512-token GPT-2 generation (random weights: no GPT-2 checkpoint is reachable here).
@@ -23,6 +26,7 @@ Writes benchmarks/results/decode_attention-<device>.json and a PNG of GB/s again
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import cupy as cp
 import numpy as np
@@ -81,7 +85,24 @@ class Case:
         return self.config().splits
 
 
-def measure(rows, group, dtype, B, H, H_kv, D, S, kv=None, graph=False, sdpa=True):
+def read_floor(case, graph=False):
+    """Best time (us) and launch shape of a kernel that only reads the case's K and V bytes
+    (cupy_kernels.read_floor), over a few grid shapes: the floor under the same timer."""
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    k, v = case.cache["k_cache"], case.cache["v_cache"]
+    best = None
+    for blocks, threads in itertools.product((sms, 2 * sms, 4 * sms, 8 * sms), (256, 512)):
+        out = cp.empty(blocks, np.uint32)
+        fn = lambda: K.read_floor(k, v, blocks=blocks, threads=threads, out=out)  # noqa: E731
+        us = time_in_graph(fn) if graph else time_gpu(fn)["us"]
+        if best is None or us < best[0]:
+            best = (us, blocks, threads)
+    return best
+
+
+def measure(rows, group, dtype, B, H, H_kv, D, S, kv=None, graph=False, sdpa=True, floor=False):
+    """Ours and torch SDPA (cold L2; with graph, also inside a replayed CUDA graph); with
+    floor, also the read floor of the case's K and V bytes."""
     case = Case(dtype, B, H, H_kv, D, S, kv)
     key = {"bench": "decode_attention", "group": group, "dtype": dtype, "kv_dtype": kv or dtype, "batch": B,
            "heads": H, "kv_heads": H_kv, "head_dim": D, "seq": S}
@@ -98,12 +119,22 @@ def measure(rows, group, dtype, B, H, H_kv, D, S, kv=None, graph=False, sdpa=Tru
             row.update(splits=cfg.splits, threads=cfg.threads, heads_per_block=H // cfg.blocks)
         rows.append(row)
         line.append(f"{impl} {t['us']:8.2f} us {row['GBps']:6.0f} GB/s")
+    if floor:
+        us, blocks, threads = read_floor(case)
+        rows.append({**key, "impl": "read-floor", "graph": False, "us": round(us, 2),
+                     "GBps": round(case.nbytes / us / 1e3, 1), "blocks": blocks, "threads": threads})
+        line.append(f"read floor {us:6.2f} us")
     if graph:  # warm L2 inside a graph: the decode step's situation
         for merge in ("last-block", "kernel"):
             us = time_in_graph(case.ours(merge=merge))
             rows.append({**key, "impl": "ours", "merge": merge, "graph": True, "us": round(us, 2),
                          "GBps": round(case.nbytes / us / 1e3, 1), "splits": case.splits()})
             line.append(f"graph ({merge}) {us:5.2f} us")
+        if floor:
+            us, blocks, threads = read_floor(case, graph=True)
+            rows.append({**key, "impl": "read-floor", "graph": True, "us": round(us, 2),
+                         "GBps": round(case.nbytes / us / 1e3, 1), "blocks": blocks, "threads": threads})
+            line.append(f"floor graph {us:5.2f} us")
         if sdpa:
             us = time_in_torch_graph(impls["torch-sdpa"])
             rows.append({**key, "impl": "torch-sdpa", "graph": True, "us": round(us, 2),
@@ -213,18 +244,18 @@ def main():
     rows = []
     for S in long:
         for kv in (None, "int8", "float8_e4m3"):
-            measure(rows, "article", "float16", 1, 32, 32, 128, S, kv)
+            measure(rows, "article", "float16", 1, 32, 32, 128, S, kv, floor=kv is None and S <= 1024)
     for S in (128, 4096):
         for B in batches:
             if B > 1:
                 measure(rows, "article", "float16", B, 32, 32, 128, S)
     for S in long:
-        measure(rows, "gqa", "float16", 1, 32, 8, 128, S)
+        measure(rows, "gqa", "float16", 1, 32, 8, 128, S, floor=S <= 1024)
     for B in batches[1:4]:
         measure(rows, "gqa", "float16", B, 32, 8, 128, 4096)
     for S in (128, 256, 512, 1024):
         for B in (1, 8, 64):
-            measure(rows, "gpt2", "float16", B, 12, 12, 64, S, graph=True)
+            measure(rows, "gpt2", "float16", B, 12, 12, 64, S, graph=True, floor=B == 1)
     for S in (1024, 32768):
         measure(rows, "article", "bfloat16", 1, 32, 32, 128, S)
     split_sweep(rows, 1, 32, 128, 32768)
@@ -251,6 +282,14 @@ def summary(rows, ceiling):
     short = [t["us"] / ours[(t["group"], t["dtype"], t["kv_dtype"], 1, t["seq"])]["us"]
              for t in timed if t["impl"] == "torch-sdpa" and t["batch"] == 1 and t["seq"] <= 1024]
     print(f"batch 1, S <= 1024: torch-sdpa / ours at least {min(short):.2f}")
+    for graph in (False, True):  # where 1.5x torch SDPA would be faster than reading the bytes
+        for fl in find(bench="decode_attention", impl="read-floor", graph=graph):
+            key = {k: fl[k] for k in ("group", "dtype", "kv_dtype", "batch", "seq", "graph")}
+            sd, us = find(impl="torch-sdpa", **key), find(impl="ours", **key)
+            if sd and us:
+                print(f"  {'graph' if graph else 'cold '} {fl['group']:7s} S{fl['seq']:5d}: read floor {fl['us']:6.2f} us, "
+                      f"torch-sdpa / 1.5 {sd[0]['us'] / 1.5:6.2f}, ours {min(u['us'] for u in us):6.2f}"
+                      f"{'  (1.5x is below the floor)' if sd[0]['us'] / 1.5 < fl['us'] else ''}")
     big = find(group="article", dtype="float16", kv_dtype="float16", batch=1, seq=32768, impl="ours", graph=False)
     if big:
         print(f"article B1 S32768 fp16: {big[0]['GBps'] / ceiling:.1%} of the copy ceiling")

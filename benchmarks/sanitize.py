@@ -47,9 +47,9 @@ def main():
             K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32))
             for S in (1000, 8200):  # narrow blocks, split; 4 query heads per wide block (B x S >= 8192)
                 kl, vl = r(1, 2, S, D, dtype=dtype), r(1, 2, S, D, dtype=dtype)
-                for splits in (None, 3):
+                for splits, threads in ((None, None), (3, None), (3, 512)):  # and wide blocks over many trips
                     K.decode_attention(r(1, 8, D, dtype=dtype), kl, vl, cp.asarray([S - 3], dtype=np.int32),
-                                       num_splits=splits)
+                                       num_splits=splits, threads=threads)
             for kv in ("int8", "fp8"):  # quantized caches, GQA (4 query heads per KV head), ALiBi, splits
                 storage = K.kv_storage_dtype(kv, dtype)
                 kq, vq = cp.empty((2, 2, T + 5, D), storage), cp.empty((2, 2, T + 5, D), storage)
@@ -67,6 +67,7 @@ def main():
         K.sample(logits, seed=1, offset=0, temperature=0.9, top_k=40, top_p=0.9)
         K.sample(logits, seed=1, offset=0)
         K.kv_advance(cp.zeros(3, dtype=np.int32))
+        K.read_floor(r(1001, 8, dtype=dtype), r(3, 8, dtype=dtype), blocks=7, threads=96)
     cp.cuda.runtime.deviceSynchronize()
     print("all kernels ran")
 

@@ -13,6 +13,7 @@ from .gelu import bias_add, bias_gelu
 from .kv_cache import kv_advance, kv_append, kv_storage_dtype
 from .layernorm import layernorm, layernorm_residual
 from .linear import linear
+from .read_floor import read_floor
 from .sampling import argmax, sample
 from .softmax import softmax
 
@@ -30,6 +31,7 @@ __all__ = [
     "layernorm",
     "layernorm_residual",
     "linear",
+    "read_floor",
     "sample",
     "softmax",
 ]

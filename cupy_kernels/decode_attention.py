@@ -23,8 +23,8 @@ _SRC = "decode_attention.cu"
 HEAD_DIMS = (64, 128)
 _THREADS = 128
 # Wide blocks (512 threads: four times the rows in flight, combined in shared memory rather
-# than by a merge of splits) when the batch has at most one block per SM and the cache is in
-# the model's dtype: for grouped heads (4 per block), for caches a wide block covers in
+# than by a merge of splits) for caches in the model's dtype. When the batch has at most one
+# block per SM: for grouped heads (4 per block), for caches a wide block covers in
 # _WIDE_UNSPLIT_TRIPS trips ... Measured on an H100, fp16, cold L2 (128 / 512 threads, best
 # split each): 32 heads x hd128 B=1 S=128 7.95 / 6.90 us, S=256 9.54 / 8.03, S=512 11.42 /
 # 10.37 (torch SDPA 7.87, 10.18, 12.06); 32 / 8 heads, 4 per block, S=32768 77.9 / 63.5 and
@@ -36,6 +36,14 @@ _WIDE_UNSPLIT_TRIPS = 2
 # costs more than the chunks gain (32 x hd128, B=4, S=4096: 4 narrow splits 104.4 us, one
 # wide block 101.4; torch SDPA 101.6-102.5).
 _WIDE_BELOW_SPLITS = 4
+# With more blocks than SMs, wide blocks for caches of at least this many wide trips: the
+# SM then streams one head's rows rather than four heads' (both 16 warps per SM). H100,
+# fp16, cold L2, 32 x hd128 at S=4096 (32 trips), 128 / 512 threads, torch SDPA: B=8
+# 187.4 / 187.3 / 189.9 us, B=16 361.6 / 357.5 / 363.0, B=32 706.9 / 696.5 / 710.1, B=64
+# 1401.0 / 1383.2 / 1399.4, B=128 2783.3 / 2737.4 / 2764.0. At 4 trips they tie (GPT-2,
+# B=64, S=1024: 80.3 / 80.0) and at 1 narrow blocks win (32 x hd128, B=16, S=128: 20.1 /
+# 23.5): the threshold lies between the tie and the measured wins.
+_WIDE_BATCH_TRIPS = 8
 _UNROLL = 4  # decode_attention.cu
 _QPB = (4, 2, 1)  # query heads per block that share one K/V row
 # Grouped heads: the query heads of a KV head share a block (each K/V row read once) from
@@ -129,10 +137,12 @@ def launch_config(dtype, cache_dtype, B: int, H: int, H_kv: int, D: int, S_max: 
         return Launch(kern, blocks, choose_splits(kern, units, S_max, _tile(itemsize, D, threads), threads), threads)
 
     narrow = config(_THREADS)
-    if not plain or units > _build.sm_count(cupy.cuda.Device().id):
+    if not plain:
         return narrow
-    if (qpb > 1 or _build.cdiv(S_max, _tile(itemsize, D, _WIDE)) <= _WIDE_UNSPLIT_TRIPS
-            or narrow.splits <= _WIDE_BELOW_SPLITS):
+    wide_trips = _build.cdiv(S_max, _tile(itemsize, D, _WIDE))
+    if units > _build.sm_count(cupy.cuda.Device().id):
+        return config(_WIDE) if wide_trips >= _WIDE_BATCH_TRIPS else narrow
+    if qpb > 1 or wide_trips <= _WIDE_UNSPLIT_TRIPS or narrow.splits <= _WIDE_BELOW_SPLITS:
         return config(_WIDE)
     return narrow
 

@@ -7,14 +7,14 @@
 // Cache layout [B, H_kv, S_max, D] in the model's dtype, int8 or fp8 e4m3 (kv.cuh; quantized
 // rows carry a float scale each, [B, H_kv, S_max]). Sequence b uses its first len_b rows.
 //
-// Mapping: a block of THREADS (128, or 512 for few blocks) per (QPB query heads of one KV
-// head, sequence, split). A group of G = D / N lanes holds one key row as 16-byte vectors
-// (N elements each: G = 8 for fp16 hd64, 16 for fp16 hd128, 8 for int8 hd128), so the
-// block's THREADS / G groups work on different keys; each loads UNROLL key and value rows
-// before using any, then computes QPB dot products per key (the KV row is read once for
-// the QPB heads that share it: GQA), reduces them over the G lanes with xor-shuffles and
-// updates an online softmax (one rescale per UNROLL keys). The groups of a warp combine
-// their results with shuffles, the warps theirs through shared memory.
+// Mapping: a block of THREADS (128; 512 for few blocks, or big batches of long caches) per
+// (QPB query heads of one KV head, sequence, split). A group of G = D / N lanes holds one
+// key row as 16-byte vectors (N elements each: G = 8 for fp16 hd64, 16 for fp16 hd128, 8
+// for int8 hd128), so the block's THREADS / G groups work on different keys; each loads
+// UNROLL key and value rows before using any, then computes QPB dot products per key (the
+// KV row is read once for the QPB heads that share it: GQA), reduces them over the G lanes
+// with xor-shuffles and updates an online softmax (one rescale per UNROLL keys). The groups
+// of a warp combine their results with shuffles, the warps theirs through shared memory.
 // The first chunk's first trip of rows is requested before the sequence length arrives
 // (it starts at row 0 whatever the length), so an unsplit short cache waits for memory once.
 // Split: blockIdx.z takes one of gridDim.z equal chunks of the sequence (multiples of the
@@ -148,13 +148,19 @@ __global__ void __launch_bounds__(THREADS)
     constexpr int GROUPS = THREADS / G, WARPS = THREADS / 32;
     // Rows in flight per group: UNROLL key and value rows per loop trip, and with PIPELINE
     // the next trip's rows requested before this trip's are used (two sets of row
-    // registers). Pipelining one query head per block of 16-bit or float32 rows, measured
-    // on an H100 (fp16, cold L2), cut 32 heads x hd128 at B=1 from 8.91 to 7.79 us at S=128
-    // (one split) and from 878.7 to 584.3 us at S=32768 with one split, and GPT-2 at S=256
-    // from 8.19 to 7.39 us. With grouped heads (QPB > 1: 2 QPB VEC registers of query and
-    // output per thread) and 1-byte rows it raised registers to 140-205 and was not faster
-    // (32 / 8 heads, S=4096: 18.2 us without, 20.2 with, each at its best split).
-    constexpr bool PIPELINE = QPB * VEC <= 8;
+    // registers). Pipelining one query head per block of 128 threads with 16-bit or float32
+    // rows, measured on an H100 (fp16, cold L2), cut 32 heads x hd128 at B=1 from 8.91 to
+    // 7.79 us at S=128 (one split) and from 878.7 to 584.3 us at S=32768 with one split, and
+    // GPT-2 at S=256 from 8.19 to 7.39 us. With grouped heads (QPB > 1: 2 QPB VEC registers
+    // of query and output per thread) and 1-byte rows it raised registers to 140-205 and was
+    // not faster (32 / 8 heads, S=4096: 18.2 us without, 20.2 with, each at its best split).
+    // Blocks of 512 threads already have four times the rows in flight, and were as fast or
+    // faster without it (32 x hd128, fp16: B=1 S=128 6.88 -> 6.72 us, S=256 8.03 / 8.05,
+    // B=32 S=4096 703.3 -> 696.5, B=128 S=4096 2751.6 -> 2737.4; GPT-2 B=1 S=256 6.30 ->
+    // 6.22, S=512 7.26 / 7.36 cold and 4.13 -> 3.96 in a replayed graph). float32 rows
+    // keep it (their speed is not measured): without it ptxas spilled 12 bytes for sm_80
+    // with 2 heads per block.
+    constexpr bool PIPELINE = QPB * VEC <= 8 && (THREADS == 128 || sizeof(KT) == 4);
     constexpr int UNROLL = 4;
     // Grouped heads read rows with the evict-first hint (ld.global.cs): measured on an H100
     // (fp16, 32 / 8 heads x hd128, 4 per block of 512 threads, cold L2) it cut B=1 S=32768

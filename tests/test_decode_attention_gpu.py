@@ -156,8 +156,11 @@ def test_launch_config_splits_and_heads_per_block():
 
     fp16 = np.float16
     sms = _build.sm_count(cp.cuda.Device().id)
-    big = launch_config(fp16, fp16, 128, 32, 32, 128, 4096)  # a batch that fills the GPU many times
-    assert (big.splits, big.threads) == (1, 128)
+    # batches that fill the GPU many times: unsplit; wide blocks for long caches only
+    big = launch_config(fp16, fp16, 128, 32, 32, 128, 4096)
+    assert (big.splits, big.threads) == (1, 512)
+    assert launch_config(fp16, fp16, 128, 32, 32, 128, 128)[2:] == (1, 128)
+    assert launch_config(fp16, np.int8, 128, 32, 32, 128, 4096)[2:] == (1, 128)
     long = launch_config(fp16, fp16, 1, 32, 32, 128, 32768)  # one long sequence: split over the SMs
     assert long.threads == 128 and long.splits > 1 and long.blocks * long.splits >= sms
     short = launch_config(fp16, fp16, 1, 12, 12, 64, 512)  # two trips of a wide block: no merge

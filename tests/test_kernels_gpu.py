@@ -220,6 +220,32 @@ def test_sample_distribution_and_determinism():
     assert not cp.array_equal(out, other)
 
 
+@pytest.mark.parametrize("words_a,words_b", [(1, None), (1001, 7), (3, 40000), (0, 5)])
+@pytest.mark.parametrize("blocks,threads", [(1, 32), (5, 256), (264, 1024)])
+def test_read_floor_reads_every_word_once(words_a, words_b, blocks, threads):
+    rng = np.random.default_rng(words_a + blocks)
+    a = rng.integers(0, 2**32, 4 * words_a, dtype=np.uint32)
+    b = None if words_b is None else rng.integers(0, 2**32, 4 * words_b, dtype=np.uint32)
+    out = cp.full(blocks, 0xDEADBEEF, np.uint32)  # poisoned: every block writes its word
+    K.read_floor(cp.asarray(a), None if b is None else cp.asarray(b).view(np.float16), blocks=blocks,
+                 threads=threads, out=out)
+    want = np.bitwise_xor.reduce(np.concatenate([a] + ([] if b is None else [b])), initial=np.uint32(0))
+    assert np.bitwise_xor.reduce(out.get(), initial=np.uint32(0)) == want
+    assert (out.get() != 0xDEADBEEF).all()
+
+
+def test_read_floor_bad_inputs_raise():
+    x = cp.zeros(12, np.uint8)
+    with pytest.raises(ValueError, match="16-byte"):
+        K.read_floor(x, blocks=1)
+    with pytest.raises(ValueError, match="16-byte"):
+        K.read_floor(cp.zeros(20, np.uint8)[4:], blocks=1)
+    with pytest.raises(ValueError, match="threads"):
+        K.read_floor(cp.zeros(16, np.uint8), blocks=1, threads=48)
+    with pytest.raises(ValueError, match="blocks"):
+        K.read_floor(cp.zeros(16, np.uint8), blocks=0)
+
+
 def test_dlpack_inputs_from_torch():
     torch = pytest.importorskip("torch")
     x = torch.randn(4, 768, device="cuda")
