@@ -15,8 +15,8 @@ small's (12 heads x hd64, S <= 1024, batch 1 .. 64; also replayed inside a CUDA 
 rows with graph: true, ours with each merge of the splits and torch SDPA in a torch
 graph). int8 and fp8 caches are timed on the article's batch-1 sweep. At batch 1 with
 S <= 1024 a read floor is timed too (impl "read-floor": cupy_kernels.read_floor reading the
-same K and V bytes and nothing else, best of a few grid shapes), the time no attention
-kernel can beat under the same timer.
+same K and V bytes and computing nothing, best of 8 grid shapes): what reading the bytes
+alone costs under the same timer.
 A split sweep records why the heuristic picks what it picks. Accuracy of the quantized
 caches: the attention output against the fp16 cache's, and the greedy-token agreement of
 a 512-token GPT-2 generation (random weights: no GPT-2 checkpoint is reachable here).

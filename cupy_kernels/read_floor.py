@@ -19,12 +19,13 @@ _build.declare(_SRC, [_NAME])
 
 
 def _words(a, name: str) -> cupy.ndarray:
+    """``a`` as a flat view, checked for whole 16-byte words from a 16-byte boundary."""
     a = _checks.as_array(a, name)
     if not a.flags.c_contiguous:
         raise ValueError(f"{name} must be contiguous")
     if a.nbytes % 16 or a.data.ptr % 16:
         raise ValueError(f"{name} must be whole 16-byte words from a 16-byte boundary, got {a.nbytes} bytes")
-    return a
+    return a.reshape(-1)
 
 
 def read_floor(a, b=None, *, blocks: int, threads: int = 256, out=None) -> cupy.ndarray:
@@ -36,11 +37,11 @@ def read_floor(a, b=None, *, blocks: int, threads: int = 256, out=None) -> cupy.
     threads: a multiple of 32, at most 1024.
     """
     a = _words(a, "a")
-    b, n_b = (a, 0) if b is None else (_words(b, "b"), None)
+    b = a[:0] if b is None else _words(b, "b")
     if blocks < 1:
         raise ValueError(f"blocks must be at least 1, got {blocks}")
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
     out = _checks.output(out, "out", (blocks,), numpy.uint32)
-    _build.kernel(_SRC, _NAME)((blocks,), (threads,), (out, a, i64(a.nbytes // 16), b, i64(b.nbytes // 16 if n_b is None else 0)))
+    _build.kernel(_SRC, _NAME)((blocks,), (threads,), (out, a, i64(a.nbytes // 16), b, i64(b.nbytes // 16)))
     return out
