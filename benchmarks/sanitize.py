@@ -59,9 +59,17 @@ def main():
                 for splits in (1, 3):
                     K.decode_attention(q8, kq, vq, cp.asarray([T + 5, T], dtype=np.int32), num_splits=splits,
                                        alibi_slopes=cp.full(8, 0.25, np.float32), **sc)
-        for B, N, Kd in ((1, 100, 64), (5, 33, 781)):
-            K.linear(r(B, Kd, dtype=dtype), r(N, Kd, dtype=dtype), r(N, dtype=dtype), gelu=True)
-            K.linear(r(B, Kd, dtype=dtype), r(N, Kd, dtype=dtype), out_dtype=np.float32)
+        for B, N, Kd in ((1, 100, 64), (5, 33, 781), (3, 300, 1600), (11, 70, 768)):  # ragged rows, passes
+            x, wt, bias = r(B, Kd, dtype=dtype), r(N, Kd, dtype=dtype), r(N, dtype=dtype)
+            ln = (r(Kd, dtype=dtype), r(Kd, dtype=dtype), 1e-5)
+            for tile in K.linear_tiles():
+                K.linear(x, wt, bias, gelu=True, tile=tile)
+                K.linear(x, wt, bias, ln=ln, tile=tile, warps=8)
+                res = r(B, N, dtype=dtype)
+                K.linear(x, wt, bias, residual=res, out=res, tile=tile)
+                K.linear(x, wt, ln=ln, out_dtype=np.float32, tile=tile)
+                K.linear_argmax(x, wt, bias, ln=ln, logits=cp.empty((B, N), np.float32), tile=tile)
+                K.linear_argmax(x, wt, tile=tile, warps=8)
         logits = r(3, 50257, dtype=dtype)
         K.argmax(logits)
         K.sample(logits, seed=1, offset=0, temperature=0.9, top_k=40, top_p=0.9)

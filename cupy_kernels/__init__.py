@@ -12,7 +12,7 @@ from .flash_attention import flash_attention
 from .gelu import bias_add, bias_gelu
 from .kv_cache import kv_advance, kv_append, kv_storage_dtype
 from .layernorm import layernorm, layernorm_residual
-from .linear import linear
+from .linear import linear, linear_argmax, linear_tiles
 from .read_floor import read_floor
 from .sampling import argmax, sample
 from .softmax import softmax
@@ -31,6 +31,8 @@ __all__ = [
     "layernorm",
     "layernorm_residual",
     "linear",
+    "linear_argmax",
+    "linear_tiles",
     "read_floor",
     "sample",
     "softmax",

@@ -53,16 +53,22 @@ if BFLOAT16 is not None:
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 
 _declared: dict[str, list[str]] = {}
+_pdl: set[tuple[str, str]] = set()  # specializations that call griddep_wait() first (common.cuh)
 
 
-def declare(source: str, name_expressions) -> None:
-    """Register template specializations of ``src_cu/<source>`` (call at import)."""
+def declare(source: str, name_expressions, pdl: bool = False) -> None:
+    """Register template specializations of ``src_cu/<source>`` (call at import).
+
+    ``pdl``: the kernels call ``griddep_wait()`` before touching anything an earlier
+    kernel wrote, so a captured plan may launch them with programmatic dependent launch."""
     if not (SRC_DIR / source).is_file():
         raise FileNotFoundError(f"no kernel source {SRC_DIR / source}")
     names = _declared.setdefault(source, [])
     for name in name_expressions:
         if name not in names:
             names.append(name)
+        if pdl:
+            _pdl.add((source, name))
 
 
 def declared() -> dict[str, tuple[str, ...]]:
@@ -137,7 +143,7 @@ def kernel(source: str, name_expression: str):
             f"{name_expression} is not a declared specialization of {source}; declared:\n  {listing}"
         )
     kern = _module(source, (name_expression,), options()).get_function(name_expression)
-    return kern if _plan is None else _Recorder(kern, _plan)
+    return kern if _plan is None else _Recorder(kern, _plan, (source, name_expression) in _pdl)
 
 
 # ---------------------------------------------------------------------------------------
@@ -149,24 +155,97 @@ class Launch(NamedTuple):
     block: tuple
     args: tuple
     shared_mem: int
+    pdl: bool = False  # may start before the previous kernel ends (it waits in griddep_wait)
 
 
 class Plan(list):
     """Recorded launches. ``replay()`` issues them again on the current stream without
     any of the wrappers' Python checks: the arrays they point to must stay alive and keep
-    their shapes (preallocated buffers)."""
+    their shapes (preallocated buffers).
 
-    def replay(self) -> None:
+    ``replay(pdl=True)`` launches the kernels declared ``pdl`` through the driver's
+    ``cuLaunchKernelEx`` with programmatic stream serialization (sm_90 and later): such a
+    kernel starts while the one before it finishes, and requests its weights meanwhile.
+    Meant for stream capture, where the edges become programmatic edges of the CUDA graph;
+    a launch this way costs more host time than a plain one."""
+
+    def replay(self, pdl: bool = False) -> None:
         for launch in self:
-            launch.kernel(launch.grid, launch.block, launch.args, shared_mem=launch.shared_mem)
+            if pdl and launch.pdl:
+                _launch_pdl(launch)
+            else:
+                launch.kernel(launch.grid, launch.block, launch.args, shared_mem=launch.shared_mem)
 
 
 class _Recorder:
-    def __init__(self, kern, plan: Plan):
-        self.raw, self._plan = kern, plan
+    def __init__(self, kern, plan: Plan, pdl: bool):
+        self.raw, self._plan, self._pdl = kern, plan, pdl
 
     def __call__(self, grid, block, args, shared_mem=0):
-        self._plan.append(Launch(self.raw, tuple(grid), tuple(block), tuple(args), shared_mem))
+        self._plan.append(Launch(self.raw, tuple(grid), tuple(block), tuple(args), shared_mem, self._pdl))
+
+
+def pdl_supported() -> bool:
+    """Whether this process can launch with programmatic dependent launch: a device of
+    compute capability 9.0 or later, and NVIDIA's ``cuda.bindings`` (cuda-python)."""
+    import cupy
+
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        return False
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _c_arg(a):
+    """A kernel argument as the ctypes value CuPy would pass (arrays as pointers, Python
+    ints as 64-bit: the wrappers use them only for null pointers)."""
+    import ctypes
+
+    import cupy
+
+    if isinstance(a, cupy.ndarray):
+        return ctypes.c_void_p(a.data.ptr)
+    if isinstance(a, numpy.generic):
+        kinds = {numpy.dtype(numpy.int32): ctypes.c_int32, numpy.dtype(numpy.uint32): ctypes.c_uint32,
+                 numpy.dtype(numpy.int64): ctypes.c_int64, numpy.dtype(numpy.uint64): ctypes.c_uint64,
+                 numpy.dtype(numpy.float32): ctypes.c_float, numpy.dtype(numpy.float64): ctypes.c_double}
+        if a.dtype in kinds:
+            return kinds[a.dtype](a.item())
+    elif isinstance(a, bool):
+        return ctypes.c_bool(a)
+    elif isinstance(a, int):
+        return ctypes.c_int64(a)
+    elif isinstance(a, float):
+        return ctypes.c_double(a)
+    raise TypeError(f"no programmatic-launch packing for a kernel argument of type {type(a).__name__}")
+
+
+def _launch_pdl(launch: Launch) -> None:
+    import ctypes
+
+    import cupy
+    from cuda.bindings import driver
+
+    values = [_c_arg(a) for a in launch.args]
+    params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+    grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
+    block = tuple(launch.block) + (1,) * (3 - len(launch.block))
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = launch.shared_mem
+    config.hStream = driver.CUstream(cupy.cuda.get_current_stream().ptr)
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config.attrs = [attr]
+    config.numAttrs = 1
+    (err,) = driver.cuLaunchKernelEx(config, driver.CUfunction(launch.kernel.kernel.ptr), ctypes.addressof(params), 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernelEx of {launch.kernel.name}: {err}")
 
 
 _plan: Plan | None = None
@@ -245,6 +324,13 @@ def _smem_optin(device_id: int) -> int:
     import cupy
 
     return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+
+
+def smem_optin() -> int:
+    """Bytes of dynamic shared memory one block may have on the current device (opt-in)."""
+    import cupy
+
+    return _smem_optin(cupy.cuda.Device().id)
 
 
 @functools.cache

@@ -85,6 +85,7 @@ _build.declare(
     ]
     + [_name(c, c, d, qpb, _WIDE) for c, d, qpb in itertools.product(_build.CTYPES.values(), HEAD_DIMS, _QPB)]
     + [_merge_name(c, d) for c, d in itertools.product(_build.CTYPES.values(), HEAD_DIMS)],
+    pdl=True,
 )
 
 

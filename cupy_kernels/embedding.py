@@ -17,7 +17,7 @@ def _name(c_type: str, vec: int) -> str:
     return f"embedding_kernel<{c_type}, {vec}>"
 
 
-_build.declare(_SRC, [_name(c, v) for c in _build.CTYPES.values() for v in _build.vec_widths(c)])
+_build.declare(_SRC, [_name(c, v) for c in _build.CTYPES.values() for v in _build.vec_widths(c)], pdl=True)
 
 
 def embedding(ids, wte, wpe, positions, *, out=None) -> cupy.ndarray:

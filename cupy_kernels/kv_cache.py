@@ -36,6 +36,7 @@ _build.declare(
     [_name(c, v) for c in _build.CTYPES.values() for v in _build.vec_widths(c)]
     + [_quant_name(c, kv, d) for c, kv, d in itertools.product(_build.CTYPES.values(), KV_CTYPES.values(), QUANT_HEAD_DIMS)]
     + ["kv_advance_kernel"],
+    pdl=True,
 )
 
 

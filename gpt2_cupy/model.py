@@ -89,22 +89,6 @@ class KVCache:
         return {"k_cache": self.k[i], "v_cache": self.v[i], **scales}
 
 
-class _DecodeBuffers:
-    """Everything one decode step reads or writes, allocated before the first step."""
-
-    def __init__(self, config: GPT2Config, batch: int, dtype):
-        B, C = batch, config.n_embd
-        self.tokens = cupy.zeros(B, dtype=numpy.int32)  # the token each sequence feeds next
-        self.x = cupy.empty((B, C), dtype=dtype)  # residual stream
-        self.h = cupy.empty((B, C), dtype=dtype)  # layernorm output
-        self.qkv = cupy.empty((B, 3 * C), dtype=dtype)
-        self.att = cupy.empty((B, config.n_head, config.head_dim), dtype=dtype)
-        self.y = cupy.empty((B, C), dtype=dtype)
-        self.f = cupy.empty((B, 4 * C), dtype=dtype)
-        self.logits = cupy.empty((B, config.vocab_size), dtype=numpy.float32)
-        self.offsets = cupy.zeros(B, dtype=numpy.uint64)  # sampling counters
-
-
 class GPT2:
     """A GPT-2 model whose weights are CuPy arrays.
 
@@ -133,6 +117,7 @@ class GPT2:
         self.blocks = [
             _Block(**{f: weights[f"h.{i}.{k}"] for f, k in fields.items()}) for i in range(config.n_layer)
         ]
+        self._engine = None
         if self.wte.shape != (config.vocab_size, C):
             raise ValueError(f"wte has shape {self.wte.shape}, expected {(config.vocab_size, C)}")
 
@@ -201,7 +186,8 @@ class GPT2:
         """Forward over one sequence's tokens ids [T] (int32, on the GPU).
 
         Appends keys and values to cache row ``slot`` when a cache is given. Writes the
-        final-layernorm output of the last token into ``out_last`` [1, C] and returns
+        residual stream of the last token after the last block (before the final
+        LayerNorm, which the LM head applies itself) into ``out_last`` [1, C] and returns
         None, or, when out_last is None, returns the final-layernorm output of every
         token [T, C].
         """
@@ -227,9 +213,9 @@ class GPT2:
             K.bias_gelu(f, blk.fc_b, out=f)
             y = self._matmul(f, blk.mlp_proj_w)  # [T, C]
             ln_w, ln_b = self._next_ln(i)
-            if i == cfg.n_layer - 1 and out_last is not None:  # only the last token's hidden state is needed
+            if i == cfg.n_layer - 1 and out_last is not None:  # only the last token's residual is needed
                 K.layernorm_residual(x[-1:], y[-1:], ln_w, ln_b, proj_bias=blk.mlp_proj_b, eps=eps,
-                                     out=out_last)
+                                     out=h[-1:], sum_out=out_last)
                 return None
             x, h = K.layernorm_residual(x, y, ln_w, ln_b, proj_bias=blk.mlp_proj_b, eps=eps, sum_out=x)
         return h
@@ -247,36 +233,65 @@ class GPT2:
     # ---------------------------------------------------------------------------------
     # generation
     # ---------------------------------------------------------------------------------
-    def _record_step(self, cache: KVCache, buf: _DecodeBuffers, choose) -> _build.Plan:
-        """The decode step as a launch plan: embed the tokens, run every block on the
-        cached keys / values, LM head, choose the next tokens, advance the positions."""
+    def head(self, buf, sampling) -> None:
+        """The LM head on the residual stream ``buf.x`` [B, C]: the final LayerNorm fused
+        into the product, then the next tokens into ``buf.tokens``. Greedy (sampling None)
+        reduces the logits inside the product (no logits written); sampling is a dict of
+        :func:`cupy_kernels.sample`'s settings and writes ``buf.logits`` first."""
+        ln_f = (self.ln_f_w, self.ln_f_b, self.config.layer_norm_epsilon)
+        if sampling is None:
+            K.linear_argmax(buf.x, self.lm_head, ln=ln_f, out=buf.tokens)
+        else:
+            K.linear(buf.x, self.lm_head, ln=ln_f, out_dtype=numpy.float32, out=buf.logits)
+            K.sample(buf.logits, offset=buf.offsets, out=buf.tokens, **sampling)
+
+    def record_step(self, cache: KVCache, buf, sampling) -> _build.Plan:
+        """The decode step as a launch plan over preallocated buffers (``buf``: tokens
+        [B] int32, x [B, C] the residual stream, qkv [B, 3C], att [B, H, D], f [B, 4C],
+        logits [B, V] float32, offsets [B] uint64): embed the tokens, run every block on
+        the cached keys / values, LM head, next tokens, advance the positions.
+
+        Five launches a block (six with a quantized cache): LayerNorm runs inside the
+        products that consume it (each block of the product normalizes the few rows of x
+        itself); bias, GELU, the residual add and the KV-cache append in their epilogues."""
         cfg = self.config
         B, C, H, D, eps = buf.x.shape[0], cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
         qkv = buf.qkv.reshape(B, 1, 3, H, D)  # view: [B, T=1, 3, H, D]
         # split each sequence's cache and size its blocks as if it ran alone, so that its
         # numbers (and tokens) do not depend on what it is batched with; merge the splits
-        # with a second kernel, the faster way inside a CUDA graph (cupy_kernels/decode_attention.py)
+        # with a second kernel: GPT-2 small at B = 1 took 2.8 + 1.7 us a layer that way in a
+        # CUDA graph, 5.0 us with the last-block merge (benchmarks/decode_step.py, H100)
         alone = launch_config(self.dtype, cache.k.dtype, 1, H, H, D, cache.max_len)
         with _build.recording() as plan:
             K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x)
-            K.layernorm(buf.x, self.blocks[0].ln_1_w, self.blocks[0].ln_1_b, eps=eps, out=buf.h)
             for i, blk in enumerate(self.blocks):
-                K.linear(buf.h, blk.attn_w, blk.attn_b, out=buf.qkv)
-                K.kv_append(k=qkv[:, :, 1], v=qkv[:, :, 2], start=cache.positions, seq_lens=cache.lengths,
-                            **cache.layer(i))
+                ln_1 = (blk.ln_1_w, blk.ln_1_b, eps)
+                if cache.k_scale is None:  # keys and values go into the cache from the product's epilogue
+                    K.linear(buf.x, blk.attn_w, blk.attn_b, ln=ln_1, out=buf.qkv,
+                             kv_cache={"k_cache": cache.k[i], "v_cache": cache.v[i], "positions": cache.positions,
+                                       "seq_lens": cache.lengths})
+                else:  # quantized: a row's scale needs all of its D values, which kv_append holds
+                    K.linear(buf.x, blk.attn_w, blk.attn_b, ln=ln_1, out=buf.qkv)
+                    K.kv_append(k=qkv[:, :, 1], v=qkv[:, :, 2], start=cache.positions, seq_lens=cache.lengths,
+                                **cache.layer(i))
                 K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, num_splits=alone.splits,
                                    threads=alone.threads, merge="kernel", out=buf.att, **cache.layer(i))
-                K.linear(buf.att.reshape(B, C), blk.attn_proj_w, out=buf.y)
-                K.layernorm_residual(buf.x, buf.y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b,
-                                     eps=eps, out=buf.h, sum_out=buf.x)
-                K.linear(buf.h, blk.fc_w, blk.fc_b, gelu=True, out=buf.f)
-                K.linear(buf.f, blk.mlp_proj_w, out=buf.y)
-                ln_w, ln_b = self._next_ln(i)
-                K.layernorm_residual(buf.x, buf.y, ln_w, ln_b, proj_bias=blk.mlp_proj_b, eps=eps,
-                                     out=buf.h, sum_out=buf.x)
-            choose()
+                K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x)
+                K.linear(buf.x, blk.fc_w, blk.fc_b, ln=(blk.ln_2_w, blk.ln_2_b, eps), gelu=True, out=buf.f)
+                K.linear(buf.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=buf.x, out=buf.x)
+            self.head(buf, sampling)
             K.kv_advance(cache.positions)
         return plan
+
+    @property
+    def engine(self):
+        """The generation engine of this model (gpt2_cupy/engine.py): decode buffers,
+        KV caches and CUDA graphs kept for later calls."""
+        if self._engine is None:
+            from .engine import Engine
+
+            self._engine = Engine(self)
+        return self._engine
 
     def stream(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -291,80 +306,13 @@ class GPT2:
         K.kv_storage_dtype(kv_cache_dtype, self.dtype)  # ValueError for an unknown name
         if max_new_tokens == 0:
             return iter(())
-        return self._generate(rows, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
-                              eos_token_id, use_cache, cuda_graph, kv_cache_dtype)
-
-    def _generate(self, rows, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id,
-                  use_cache, cuda_graph, kv_cache_dtype):
-        cfg = self.config
-        B = len(rows)
-        buf = _DecodeBuffers(cfg, B, self.dtype)
-        max_len = max(r.size for r in rows) + max_new_tokens
-        cache = KVCache(cfg, B, max_len if use_cache else 1, self.dtype, kv_cache_dtype if use_cache else None)
-
-        def choose():
-            K.linear(buf.h, self.lm_head, out_dtype=numpy.float32, out=buf.logits)
-            if do_sample:
-                K.sample(buf.logits, seed=seed, offset=buf.offsets, temperature=temperature, top_k=top_k,
-                         top_p=top_p, out=buf.tokens)
-            else:
-                K.argmax(buf.logits, out=buf.tokens)
-
-        with _build.recording() as head:
-            choose()
-        seqs = [list(map(int, r)) for r in rows]
-        done = [False] * B
-
-        def emit(tokens: numpy.ndarray):
-            step = []
-            for b in range(B):
-                if done[b]:
-                    step.append(None)
-                    continue
-                t = int(tokens[b])
-                seqs[b].append(t)
-                step.append(t)
-                if eos_token_id is not None and t == eos_token_id:
-                    done[b] = True
-            return step
-
-        # prefill: each prompt alone, its last hidden state into row b of buf.h
-        for b, r in enumerate(rows):
-            self._prefill(cupy.asarray(r, dtype=numpy.int32), cache if use_cache else None, b, buf.h[b:b + 1])
-        head.replay()
-        yield emit(buf.tokens.get())
+        sampling = None
+        if do_sample:
+            sampling = {"seed": seed, "temperature": float(temperature), "top_k": top_k,
+                        "top_p": None if top_p is None else float(top_p)}
         if not use_cache:
-            for _ in range(max_new_tokens - 1):
-                if all(done):
-                    return
-                for b in range(B):
-                    self._prefill(cupy.asarray(seqs[b], dtype=numpy.int32), None, b, buf.h[b:b + 1])
-                head.replay()
-                yield emit(buf.tokens.get())
-            return
-
-        cache.positions.set(numpy.array([r.size for r in rows], dtype=numpy.int32))
-        step = self._record_step(cache, buf, choose)
-        run = step.replay
-        if cuda_graph:
-            graph_stream = cupy.cuda.Stream(non_blocking=True)
-            cupy.cuda.get_current_stream().synchronize()
-            with graph_stream:
-                graph_stream.begin_capture()
-                try:
-                    step.replay()
-                finally:
-                    graph = graph_stream.end_capture()
-
-            def run():
-                graph.launch(stream=graph_stream)
-                graph_stream.synchronize()
-
-        for _ in range(max_new_tokens - 1):
-            if all(done):
-                return
-            run()
-            yield emit(buf.tokens.get())
+            return self.engine.steps_without_cache(rows, max_new_tokens, sampling, eos_token_id)
+        return self.engine.steps(rows, max_new_tokens, sampling, eos_token_id, cuda_graph, kv_cache_dtype)
 
     def generate(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,

@@ -80,6 +80,36 @@ __device__ __forceinline__ void store_vec(T* p, const float (&in)[VEC]) {
 }
 
 // ---------------------------------------------------------------------------------------
+// programmatic dependent launch (sm_90): a kernel launched with the programmatic-stream-
+// serialization attribute may start while the kernel before it still runs. It must call
+// griddep_wait() before it reads anything an earlier kernel wrote or writes anything an
+// earlier kernel reads; what comes before the wait may only read data no kernel writes
+// (weights). griddep_launch_dependents() lets the next kernel start as soon as every block
+// of this one has called it. Both are no-ops before sm_90 and in a plain launch.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// 16 bytes of read-only data that this launch reads once (weights): through the
+// non-coherent path, without allocating in L1, where it would only evict what is reused.
+__device__ __forceinline__ uint4 load_stream16(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+// ---------------------------------------------------------------------------------------
 // warp and block reductions (float32)
 // ---------------------------------------------------------------------------------------
 constexpr unsigned FULL_MASK = 0xffffffffu;

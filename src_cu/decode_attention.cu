@@ -141,6 +141,8 @@ __global__ void __launch_bounds__(THREADS)
                             const float* __restrict__ v_scale, const int* __restrict__ seq_lens,
                             const float* __restrict__ alibi, int H, int H_kv, int S_max, long long q_sb,
                             float scale) {
+    griddep_wait();  // programmatic dependent launch: the previous kernel's writes are visible
+    griddep_launch_dependents();
     using Fmt = KvFormat<KT>;
     constexpr int VEC = KvVec<KT>::N;
     constexpr int G = D / VEC;  // lanes per key row
@@ -378,5 +380,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(D)
     decode_attention_merge_kernel(T* __restrict__ out, const float* __restrict__ part_o,
                                   const float* __restrict__ part_lse, int rows, int splits) {
+    griddep_wait();  // programmatic dependent launch: the previous kernel's writes are visible
+    griddep_launch_dependents();
     merge_column<T, D>(out, part_o, part_lse, blockIdx.x, rows, splits, threadIdx.x);
 }

@@ -16,6 +16,8 @@ template <typename T, int VEC>
 __global__ void embedding_kernel(T* __restrict__ out, const int* __restrict__ ids,
                                  const int* __restrict__ positions, const T* __restrict__ wte,
                                  const T* __restrict__ wpe, int C) {
+    griddep_wait();  // programmatic dependent launch: the previous kernel's writes are visible
+    griddep_launch_dependents();
     const long long n = blockIdx.x;
     const T* tok = wte + static_cast<long long>(ids[n]) * C;
     const T* pos = wpe + static_cast<long long>(positions[n]) * C;

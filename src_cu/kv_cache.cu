@@ -27,6 +27,8 @@ __global__ void kv_append_kernel(T* __restrict__ k_cache, T* __restrict__ v_cach
                                  const int* __restrict__ start, int* __restrict__ seq_lens, int T_new, int H,
                                  int D, int S_max, long long k_sb, long long k_st, long long v_sb,
                                  long long v_st) {
+    griddep_wait();  // programmatic dependent launch: the previous kernel's writes are visible
+    griddep_launch_dependents();
     const int b = blockIdx.x / T_new, t = blockIdx.x % T_new;
     const int slot = slots != nullptr ? slots[b] : b;
     const long long pos = start[b] + t;
@@ -49,6 +51,8 @@ __global__ void kv_append_quant_kernel(KT* __restrict__ k_cache, KT* __restrict_
                                        const int* __restrict__ slots, const int* __restrict__ start,
                                        int* __restrict__ seq_lens, int T_new, int H, int S_max, long long k_sb,
                                        long long k_st, long long v_sb, long long v_st) {
+    griddep_wait();  // programmatic dependent launch: the previous kernel's writes are visible
+    griddep_launch_dependents();
     using Fmt = KvFormat<KT>;
     constexpr int PER = D / 32;  // elements per lane
     const int b = blockIdx.x / T_new, t = blockIdx.x % T_new;
@@ -78,6 +82,8 @@ __global__ void kv_append_quant_kernel(KT* __restrict__ k_cache, KT* __restrict_
 }
 
 __global__ void kv_advance_kernel(int* __restrict__ positions, int n, int B) {
+    griddep_wait();  // programmatic dependent launch: the previous kernel's writes are visible
+    griddep_launch_dependents();
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b < B) positions[b] += n;
 }

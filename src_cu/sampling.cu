@@ -2,6 +2,7 @@
 // temperature, top-k and top-p, one block of 1024 threads per sequence.
 //
 // argmax: out[b] = the first index of the largest logit of row b.
+// argmax_partials: the same, from per-block partials of linear.cu's ARGMAX epilogue.
 //
 // sample: z = logits / temperature; keep the top_k largest z (ties at the k-th value are
 // kept too); p ∝ exp(z - max z) over the kept set; top_p keeps the smallest set of the
@@ -26,6 +27,7 @@ using namespace g2c;
 
 namespace {
 constexpr int THREADS = 1024;
+constexpr int ARGMAX_PARTIALS_THREADS = 256;  // partials per row: about 1,600 for GPT-2's LM head
 constexpr float FIXED_ONE = 1099511627776.0f;  // 2^40
 using u64 = unsigned long long;
 }  // namespace
@@ -138,6 +140,35 @@ __global__ void __launch_bounds__(THREADS) argmax_kernel(int* __restrict__ out, 
         idx = s_idx[lane];
         warp_argmax(best, idx);
         if (lane == 0) out[blockIdx.x] = idx;
+    }
+}
+
+// The last step of a fused argmax: row b's G per-block partials (largest value, its first
+// index; index -1 = none), written by linear_kernel's ARGMAX epilogue, to out[b].
+// Equal values keep the smaller index, as argmax_kernel.
+__global__ void __launch_bounds__(ARGMAX_PARTIALS_THREADS)
+    argmax_partials_kernel(int* __restrict__ out, const float* __restrict__ val, const int* __restrict__ idx, int G) {
+    __shared__ float s_val[32];
+    __shared__ int s_idx[32];
+    griddep_wait();
+    griddep_launch_dependents();
+    const long long row = static_cast<long long>(blockIdx.x) * G;
+    float best = -INFINITY;
+    int bi = -1;
+    for (int g = threadIdx.x; g < G; g += ARGMAX_PARTIALS_THREADS) {
+        const int i = idx[row + g];
+        const float v = val[row + g];
+        if (i >= 0 && (bi < 0 || v > best || (v == best && i < bi))) best = v, bi = i;
+    }
+    warp_argmax(best, bi);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) s_val[warp] = best, s_idx[warp] = bi;
+    __syncthreads();
+    if (warp == 0) {
+        best = lane < ARGMAX_PARTIALS_THREADS / 32 ? s_val[lane] : -INFINITY;
+        bi = lane < ARGMAX_PARTIALS_THREADS / 32 ? s_idx[lane] : -1;
+        warp_argmax(best, bi);
+        if (lane == 0) out[blockIdx.x] = bi;
     }
 }
 

@@ -141,25 +141,186 @@ def test_kv_append(dtype):
     assert pos.get().tolist() == (start_h + 2).tolist()
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("B,N,K_,gelu,out_f32", [(1, 2304, 768, False, False), (5, 3072, 768, True, False),
-                                                 (3, 768, 3072, False, False), (2, 50257, 768, False, True),
-                                                 (9, 37, 781, True, True)])
-def test_linear_rows(B, N, K_, gelu, out_f32, dtype):
-    rng = np.random.default_rng(N + K_)
+LINEAR_CASES = [  # (B, N, K, variant): GPT-2 small / XL decode shapes, batches, awkward sizes
+    (1, 2304, 768, "ln"), (1, 768, 768, "residual"), (1, 3072, 768, "ln_gelu"), (1, 768, 3072, "residual"),
+    (1, 50257, 768, "ln_logits"), (1, 4800, 1600, "ln"), (1, 1600, 6400, "residual"), (1, 6400, 1600, "ln_gelu"),
+    (3, 2304, 768, "ln"), (5, 3072, 768, "gelu"), (8, 768, 3072, "residual"), (2, 50257, 768, "logits"),
+    (9, 37, 781, "ln_gelu"), (17, 129, 1600, "residual"), (4, 1000, 768, "store"), (7, 101, 72, "ln_logits"),
+]
+
+
+def _linear_case(rng, B, N, K_, variant, dtype):
+    """Inputs, keyword arguments and the float64 expectation of one linear case."""
     x, xh = rand(rng, (B, K_), dtype)
-    w, wh = rand(rng, (N, K_), dtype, 0.05)
+    w, wh = rand(rng, (N, K_), dtype, 1.0 / np.sqrt(K_))
     b, bh = rand(rng, (N,), dtype)
-    out_dtype = np.float32 if out_f32 else dtype
-    out = poisoned((B, N), out_dtype)
-    K.linear(x, w, b, gelu=gelu, out_dtype=out_dtype, out=out)
-    expect = ref.linear(xh, wh, bh)
-    if gelu:
+    kw, xin = {}, xh
+    if variant.startswith("ln"):
+        lw, lwh = rand(rng, (K_,), dtype)
+        lb, lbh = rand(rng, (K_,), dtype)
+        kw["ln"] = (lw, lb, 1e-5)
+        xin = ref.layernorm(xh, lwh, lbh, 1e-5)
+    expect = ref.linear(xin, wh, bh)
+    if variant.endswith("gelu"):
+        kw["gelu"] = True
         expect = ref.gelu_tanh(expect)
-    check(out, expect, out_dtype if not out_f32 else dtype)
+    if variant.endswith("logits"):
+        kw["out_dtype"] = np.float32
+    if variant == "residual":
+        res, resh = rand(rng, (B, N), dtype)
+        kw["residual"] = res
+        expect = expect + resh
+    return x, w, b, kw, expect
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,N,K_,variant", LINEAR_CASES)
+def test_linear(B, N, K_, variant, dtype):
+    rng = np.random.default_rng(N + K_ + B)
+    x, w, b, kw, expect = _linear_case(rng, B, N, K_, variant, dtype)
+    out_dtype = kw.get("out_dtype", dtype)
+    out = poisoned((B, N), out_dtype)
+    x_before = x.copy()
+    K.linear(x, w, b, out=out, **kw)
+    check(out, expect, dtype)
+    assert cp.array_equal(x, x_before), "x must not be modified"
     # a row gives the same bits alone as in the batch
-    alone = K.linear(x[B - 1:], w, b, gelu=gelu, out_dtype=out_dtype)
+    last = {k: (v[B - 1:] if k == "residual" else v) for k, v in kw.items()}
+    alone = K.linear(x[B - 1:], w, b, **last)
     assert cp.array_equal(alone[0], out[B - 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_residual_in_place(dtype):
+    """out = residual: the residual stream updated in place, as the decode step does."""
+    rng = np.random.default_rng(5)
+    x, w, b, kw, expect = _linear_case(rng, 3, 768, 3072, "residual", dtype)
+    res = kw["residual"]
+    K.linear(x, w, b, residual=res, out=res)
+    check(res, expect, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=str)
+def test_linear_every_tile_gives_the_same_bits(dtype):
+    """Each lane visits its columns in increasing order whatever the tile, so every tile
+    (and every batch size) computes the same bits; the LayerNorm's sums follow the block
+    width, which the shape alone fixes."""
+    rng = np.random.default_rng(11)
+    x, w, b, kw, expect = _linear_case(rng, 5, 1000, 1600, "ln_gelu", dtype)
+    for warps in (4, 8):
+        outs = []
+        for tile in K.linear_tiles():
+            out = poisoned((5, 1000), dtype)
+            K.linear(x, w, b, tile=tile, warps=warps, out=out, **kw)
+            check(out, expect, dtype)
+            outs.append(out)
+        assert all(cp.array_equal(o, outs[0]) for o in outs[1:])
+    plain = [K.linear(x, w, b, tile=tile, warps=warps) for tile in K.linear_tiles() for warps in (4, 8)]
+    assert all(cp.array_equal(o, plain[0]) for o in plain[1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,H,D,S_max", [(1, 12, 64, 40), (3, 25, 64, 7), (9, 2, 128, 5)])
+def test_linear_qkv_into_the_cache(B, H, D, S_max, dtype):
+    """kv_cache=: the q|k|v product as usual, and its k, v parts in the caches at each row's
+    position, as kv_append would put them; seq_lens = positions + 1; other rows untouched."""
+    rng = np.random.default_rng(B * H)
+    C = H * D
+    x, w, b, kw, expect = _linear_case(rng, B, 3 * C, C, "ln", dtype)
+    k_cache, v_cache = poisoned((B + 1, H, S_max, D), dtype), poisoned((B + 1, H, S_max, D), dtype)
+    positions = cp.asarray(rng.integers(0, S_max, B), dtype=np.int32)
+    seq_lens = cp.zeros(B, dtype=np.int32)
+    out = poisoned((B, 3 * C), dtype)
+    K.linear(x, w, b, out=out, kv_cache={"k_cache": k_cache, "v_cache": v_cache, "positions": positions,
+                                         "seq_lens": seq_lens}, **kw)
+    check(out, expect, dtype)
+    ref_k, ref_v = poisoned((B + 1, H, S_max, D), dtype), poisoned((B + 1, H, S_max, D), dtype)
+    qkv = out.reshape(B, 1, 3, H, D)
+    K.kv_append(ref_k, ref_v, qkv[:, :, 1], qkv[:, :, 2], positions)
+    assert cp.array_equal(cp.isnan(k_cache.astype(cp.float32)), cp.isnan(ref_k.astype(cp.float32)))
+    written = ~cp.isnan(ref_k.astype(cp.float32))
+    assert cp.array_equal(k_cache[written], ref_k[written]) and cp.array_equal(v_cache[written], ref_v[written])
+    assert seq_lens.get().tolist() == (positions.get() + 1).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,N,K_,ln", [(1, 50257, 768, True), (3, 50257, 1600, True), (2, 1000, 768, False),
+                                       (9, 77, 781, True)])
+def test_linear_argmax(B, N, K_, ln, dtype):
+    rng = np.random.default_rng(N + B)
+    x, w, b, kw, expect = _linear_case(rng, B, N, K_, "ln_logits" if ln else "logits", dtype)
+    kw.pop("out_dtype")
+    logits = poisoned((B, N), np.float32)
+    tokens = cp.full(B, -7, dtype=np.int32)
+    K.linear_argmax(x, w, b, logits=logits, out=tokens, **kw)
+    check(logits, expect, dtype)
+    # the first index of each row's largest logit, as written
+    assert tokens.get().tolist() == np.argmax(logits.get(), axis=1).tolist()
+    assert cp.array_equal(K.linear_argmax(x, w, b, **kw), tokens)  # without writing logits
+    assert cp.array_equal(K.linear_argmax(x[B - 1:], w, b, **kw)[0], tokens[B - 1])
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+def test_linear_argmax_ties_keep_the_first_index(warps):
+    """Equal logits in many blocks: the smallest index wins, as numpy's argmax."""
+    rng = np.random.default_rng(3)
+    N, K_ = 5000, 768
+    base = rng.standard_normal((7, K_)).astype(np.float32)
+    w = cp.asarray(base[np.arange(N) % 7])  # row n repeats row n % 7
+    x = cp.asarray(rng.standard_normal((4, K_)).astype(np.float32))
+    for tile in K.linear_tiles():
+        got = K.linear_argmax(x, w, tile=tile, warps=warps).get()
+        with_logits = K.linear_argmax(x, w, tile=tile, warps=warps, logits=cp.empty((4, N), np.float32))
+        assert got.tolist() == with_logits.get().tolist()
+        logits = K.linear(x, w).get()
+        assert got.tolist() == np.argmax(logits, axis=1).tolist()
+        assert (got < 7).all()
+
+
+def test_linear_bad_inputs_raise():
+    x = cp.ones((2, 64), np.float32)
+    w = cp.ones((10, 64), np.float32)
+    ln = (cp.ones(64, np.float32), cp.zeros(64, np.float32), 1e-5)
+    with pytest.raises(ValueError, match="input features"):
+        K.linear(x, cp.ones((10, 32), np.float32))
+    with pytest.raises(ValueError, match="ln weight"):
+        K.linear(x, w, ln=(ln[0][:32], ln[1], 1e-5))
+    with pytest.raises(TypeError, match="ln bias"):
+        K.linear(x, w, ln=(ln[0], ln[1].astype(np.float16), 1e-5))
+    with pytest.raises(TypeError, match="tuple"):
+        K.linear(x, w, ln=ln[0])
+    with pytest.raises(ValueError, match="eps"):
+        K.linear(x, w, ln=(ln[0], ln[1], float("nan")))
+    with pytest.raises(ValueError, match="exclude each other"):
+        K.linear(x, w, residual=cp.ones((2, 10), np.float32), gelu=True)
+    cache = cp.zeros((2, 2, 8, 16), np.float32)
+    kv = {"k_cache": cache, "v_cache": cache.copy(), "positions": cp.zeros(2, np.int32),
+          "seq_lens": cp.zeros(2, np.int32)}
+    w96 = cp.ones((96, 64), np.float32)
+    with pytest.raises(ValueError, match="pass ln"):
+        K.linear(x, w96, kv_cache=kv)
+    with pytest.raises(ValueError, match="3 C"):
+        K.linear(x, w, ln=ln, kv_cache=kv)
+    with pytest.raises(TypeError, match="quantized"):
+        K.linear(x, w96, ln=ln, kv_cache={**kv, "k_cache": cache.astype(np.int8)})
+    with pytest.raises(TypeError, match="positions"):
+        K.linear(x, w96, ln=ln, kv_cache={**kv, "positions": cp.zeros(2, np.int64)})
+    with pytest.raises(ValueError, match="H \\* D"):
+        K.linear(x, cp.ones((48, 64), np.float32), ln=ln, kv_cache=kv)
+    with pytest.raises(ValueError, match="residual"):
+        K.linear(x, w, residual=cp.ones((2, 11), np.float32))
+    with pytest.raises(ValueError, match="overlap x"):
+        K.linear(x, cp.ones((64, 64), np.float32), out=x)
+    with pytest.raises(ValueError, match="tile"):
+        K.linear(x, w, tile=(3, 3))
+    with pytest.raises(ValueError, match="warps"):
+        K.linear(x, w, warps=5)
+    with pytest.raises(TypeError, match="out_dtype"):
+        K.linear(x.astype(np.float16), w.astype(np.float16), out_dtype=np.float64)
+    with pytest.raises(TypeError, match="logits"):
+        K.linear_argmax(x, w, logits=cp.empty((2, 10), np.float16))
+    with pytest.raises(ValueError, match="out"):
+        K.linear_argmax(x, w, out=cp.empty(3, np.int32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from gpt2_cupy import GPT2, SIZES, generate, stream  # noqa: E402
+from gpt2_cupy.engine import LOOKAHEAD, MAX_SESSIONS  # noqa: E402
 
 PROMPT = [15496, 11, 314, 1101, 257, 3303, 2746, 11]  # "Hello, I'm a language model,"
 
@@ -139,6 +140,38 @@ def test_eos_stops_a_sequence(small):
     eos = first[len(PROMPT) + 2]  # the third new token
     got = model.generate(PROMPT, 10, eos_token_id=eos)
     assert got == first[: first.index(eos, len(PROMPT)) + 1]
+
+
+def test_engine_reuses_sessions_across_calls(small):
+    """A warm call of the same bucket records and captures nothing new, and every length
+    around the read-back lookahead gives the prefix of the longer run."""
+    _, model = small
+    first = model.generate(PROMPT, 20)
+    n = model.engine.sessions()
+    assert model.generate(PROMPT, 20) == first
+    assert model.generate(PROMPT[:5], 30) == model.generate(PROMPT[:5], 30)  # same cache bucket
+    assert model.engine.sessions() == n
+    for new in range(1, 2 * LOOKAHEAD + 2):
+        assert model.generate(PROMPT, new) == first[: len(PROMPT) + new]
+    assert model.generate(PROMPT, 20, cuda_graph=False) == first
+
+
+def test_abandoned_stream_leaves_the_model_usable(small):
+    _, model = small
+    expect = model.generate(PROMPT, 30)
+    it = model.stream(PROMPT, 30)
+    assert [next(it)[0] for _ in range(3)] == expect[len(PROMPT): len(PROMPT) + 3]
+    other = model.stream(PROMPT, 30)  # while `it` holds its session: a session of its own
+    assert [step[0] for step in other] == expect[len(PROMPT):]
+    del it
+    assert model.generate(PROMPT, 30) == expect
+
+
+def test_sessions_are_bounded(small):
+    _, model = small
+    for new in (50, 100, 200, 400, 1000):  # a cache-length bucket each
+        model.generate(PROMPT[:2], new)
+    assert model.engine.sessions() <= MAX_SESSIONS
 
 
 def test_bad_inputs_raise_and_model_stays_usable(small):

@@ -1,0 +1,360 @@
+"""Where a generated token's time goes, and the matrix-vector products on their own.
+
+    python -m benchmarks.decode_step [--quick] [--skip-gemv] [--skip-profile]
+
+1. Matrix-vector products (``linear``), each weight shape of GPT-2 small and XL, B = 1:
+   GB/s = weight bytes N K s / median time, against the copy ceiling of the same run and
+   cuBLAS (torch.nn.functional.linear on the same memory) under the same timer. Two
+   timings: one launch with a cold L2 (queued behind a sleep kernel, so the host's launch
+   cost is not counted), and launches back to back in a CUDA graph, each on its own copy
+   of the weights (copies spanning twice the L2, so none is re-read from L2), with and
+   without programmatic dependent launch: the way the decode step runs them. Every tile
+   and block width is timed (rows with ``tile``); the wrapper's choice is ``impl: ours``.
+2. The decode step (``impl: step``): for each size and dtype at batch 1 and 8, the
+   CUDA graph of one step is replayed under torch.profiler (CUPTI sees CuPy's kernels);
+   per launch of the step: kernel, role, bytes it must move, median time, GB/s. The
+   step's time per token (CUDA events around the replays, with and without programmatic
+   dependent launch), its kernels' sum, and the floor (weight bytes / copy bandwidth).
+   Wall time per token of a 512-token ``generate`` call beside it.
+
+Writes benchmarks/results/decode_step-<device>.json and decode_step-<device>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import statistics
+import time
+
+import cupy as cp
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import cupy_kernels as K
+from benchmarks.common import (banner, copy_ceiling_GBps, graph_replay_us, save_figure, subplots, time_gpu,
+                               write_results)
+from cupy_kernels import _build
+
+linear_mod = importlib.import_module("cupy_kernels.linear")  # the module (the package exports the function)
+
+DTYPES = {"float32": (np.float32, torch.float32), "float16": (np.float16, torch.float16),
+          "bfloat16": (_build.BFLOAT16, torch.bfloat16)}
+PROMPT = [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+
+
+def gemv_shapes(size: str) -> dict:
+    from gpt2_cupy import SIZES
+
+    C, V = SIZES[size].n_embd, SIZES[size].vocab_size
+    return {"qkv": (3 * C, C), "attn_proj": (C, C), "fc": (4 * C, C), "mlp_proj": (C, 4 * C), "lm_head": (V, C)}
+
+
+def graph_time(launch, n: int, pdl: bool) -> float:
+    """Median us per launch of ``launch(i)`` for i < n captured into one graph, replayed."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        with _build.recording() as plan:
+            for i in range(n):
+                launch(i)
+        plan.replay()
+        stream.synchronize()
+        stream.begin_capture()
+        plan.replay(pdl=pdl)
+        graph = stream.end_capture()
+    return graph_replay_us(graph, stream, n)
+
+
+def bench_gemv(sizes, dtypes, ceiling, pdl_ok, sweep_dtypes) -> list[dict]:
+    rows = []
+    l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
+    for size in sizes:
+        for role, (N, Kd) in gemv_shapes(size).items():
+            for dtype in dtypes:
+                np_dt, t_dt = DTYPES[dtype]
+                s = np.dtype(np_dt).itemsize
+                nbytes = N * Kd * s
+                copies = max(2, -(-2 * l2 // nbytes))
+                tw = [torch.randn(N, Kd, device="cuda", dtype=torch.float32).to(t_dt) for _ in range(copies)]
+                tx = torch.randn(1, Kd, device="cuda", dtype=torch.float32).to(t_dt)
+                w = [cp.from_dlpack(t) for t in tw]
+                x = cp.from_dlpack(tx)
+                out = cp.empty((1, N), dtype=np_dt)
+                base = {"bench": "gemv", "model": size, "role": role, "N": N, "K": Kd, "dtype": dtype, "batch": 1,
+                        "bytes": nbytes}
+
+                def record(impl, t, **extra):
+                    row = {**base, "impl": impl, **extra, "us": round(t["us"], 3),
+                           "us_min": round(t["us_min"], 3), "us_max": round(t["us_max"], 3),
+                           "GBps": round(nbytes / t["us"] / 1e3, 1),
+                           "pct_copy": round(100 * nbytes / t["us"] / 1e3 / ceiling, 1)}
+                    rows.append(row)
+                    return row
+
+                def graph_row(impl, fn, **extra):
+                    for pdl in (False, True) if pdl_ok else (False,):
+                        us = graph_time(fn, copies, pdl)
+                        rows.append({**base, "impl": impl, **extra, "timing": "graph", "pdl": pdl, "copies": copies,
+                                     "us": round(us, 3), "GBps": round(nbytes / us / 1e3, 1),
+                                     "pct_copy": round(100 * nbytes / us / 1e3 / ceiling, 1)})
+
+                tiles = [(None, None)]
+                if dtype in sweep_dtypes:
+                    tiles += [(t, wp) for t in linear_mod.TILES for wp in linear_mod.WARPS]
+                for tile, warps in tiles:
+                    impl = "ours" if tile is None else "ours-tile"
+                    extra = {} if tile is None else {"tile": list(tile), "warps": warps}
+                    t = time_gpu(lambda: K.linear(x, w[0], out=out, tile=tile, warps=warps))
+                    record(impl, t, timing="cold", **extra)
+                    graph_row(impl, lambda i: K.linear(x, w[i], out=out, tile=tile, warps=warps), **extra)
+                t = time_gpu(lambda: F.linear(tx, tw[0]))
+                record("cublas", t, timing="cold")
+                r = [x for x in rows if x["role"] == role and x["model"] == size and x["dtype"] == dtype
+                     and x["impl"] in ("ours", "cublas")]
+                print(f"{size:8s} {role:9s} {N:6d}x{Kd:<5d} {dtype:9s} "
+                      + "  ".join(f"{q['impl']}/{q['timing']}{'/pdl' if q.get('pdl') else ''} "
+                                  f"{q['us']:7.2f} us {q['pct_copy']:5.1f}%" for q in r), flush=True)
+                sweep = [q for q in rows if q["role"] == role and q["model"] == size and q["dtype"] == dtype
+                         and q["impl"] == "ours-tile" and q["timing"] == "graph" and q["pdl"] == pdl_ok]
+                if sweep:
+                    print("    tiles (graph): " + ", ".join(f"{tuple(q['tile'])}x{q['warps']} {q['us']:.2f}"
+                                                       for q in sorted(sweep, key=lambda q: q["us"])), flush=True)
+                tw = w = None  # free the copies before the next shape
+                torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# the decode step, kernel by kernel
+# ---------------------------------------------------------------------------------------
+def _kernel_name(launch) -> str:
+    """The kernel's C++ name: 'linear_kernel' from '_Z13linear_kernelI6__half...'."""
+    name = launch.kernel.name
+    m = re.match(r"_Z(\d+)", name)
+    return name[m.end():m.end() + int(m.group(1))] if m else name.split("<")[0]
+
+
+def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, int]]:
+    """(role, bytes that must move) of each launch of a recorded decode step."""
+    cfg = model.config
+    s = model.dtype.itemsize
+    C, H, D = cfg.n_embd, cfg.n_head, cfg.head_dim
+    layer = ["qkv", "attn_proj", "fc", "mlp_proj"]
+    roles, li = [], 0
+    for launch in plan:
+        name = _kernel_name(launch)
+        if name == "linear_kernel":
+            N, Kd = int(launch.args[-2]), int(launch.args[-1])
+            role = "lm_head" if N == cfg.vocab_size else layer[li % 4]
+            li += role != "lm_head"
+            roles.append((role, N * Kd * s + batch * (N + Kd) * s))
+        elif name == "decode_attention_kernel":
+            roles.append(("attention", 2 * batch * H * cache_rows * D * s))
+        elif name == "decode_attention_merge_kernel":
+            roles.append(("attention_merge", batch * C * s))
+        elif name.startswith("kv_append"):
+            roles.append(("kv_append", 2 * batch * C * s))
+        elif name == "embedding_kernel":
+            roles.append(("embedding", 3 * batch * C * s))
+        else:
+            roles.append((name.replace("_kernel", ""), 0))
+    return roles
+
+
+def profile_step(model, batch: int, ceiling: float, replays: int, pdl_ok: bool) -> tuple[list[dict], dict]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from gpt2_cupy.engine import Session
+
+    prompt_len = len(PROMPT)
+    max_len = 1024
+    rows_out, summary = [], {}
+    for pdl in (True, False) if pdl_ok else (False,):  # the profile: without PDL, kernels do not overlap
+        s = Session(model, batch, max_len, None, None, cuda_graph=False)
+        with s.stream:
+            s.cache.positions.set(np.full(batch, prompt_len, np.int32))
+            s.stream.synchronize()
+            s.stream.begin_capture()
+            s.step.replay(pdl=pdl)
+            graph = s.stream.end_capture()
+            # the cache holds garbage rows: timing only. Positions move on every replay:
+            # reset them before each timed batch of replays.
+            for _ in range(3):
+                graph.launch(s.stream)
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            times = []
+            for _ in range(5):
+                s.cache.positions.set(np.full(batch, prompt_len + 256, np.int32))
+                start.record(s.stream)
+                for _ in range(replays):
+                    graph.launch(s.stream)
+                stop.record(s.stream)
+                stop.synchronize()
+                times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / replays)
+            summary[f"step_us{'_pdl' if pdl else ''}"] = round(statistics.median(times), 2)
+    # the profile: the plain graph (with PDL, a kernel's time would include its wait),
+    # captured inside the profiler, which then sees every kernel of every replay
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with s.stream:
+            s.stream.begin_capture()
+            s.step.replay()
+            graph = s.stream.end_capture()
+            s.cache.positions.set(np.full(batch, prompt_len + 256, np.int32))
+            for _ in range(replays):
+                graph.launch(s.stream)
+        s.stream.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
+                      and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()),
+                     key=lambda e: e.time_range.start)
+    n = len(s.step)
+    if len(kernels) != n * replays:
+        raise RuntimeError(f"profiler saw {len(kernels)} kernels, expected {n} x {replays}")
+    # the cache rows each step's attention reads: about the middle of the replays
+    roles = launch_roles(model, s.step, batch, prompt_len + 256 + replays // 2)
+    for j, launch in enumerate(s.step):
+        us = statistics.median(kernels[i * n + j].time_range.elapsed_us() for i in range(replays))
+        role, nbytes = roles[j]
+        rows_out.append({"index": j, "kernel": _kernel_name(launch), "role": role, "bytes": nbytes,
+                         "us": round(us, 3),
+                         "GBps": round(nbytes / us / 1e3, 1) if us > 0 else None,
+                         "pct_copy": round(100 * nbytes / us / 1e3 / ceiling, 1) if us > 0 else None})
+    summary["kernels"] = n
+    summary["kernel_sum_us"] = round(sum(r["us"] for r in rows_out), 2)
+    weight_bytes = sum(a.nbytes for a in _weights(model))
+    summary["weight_bytes"] = weight_bytes
+    summary["floor_us"] = round(weight_bytes / ceiling / 1e3, 2)
+    best = min(summary.get("step_us_pdl", 1e30), summary["step_us"])
+    summary["pct_floor"] = round(100 * summary["floor_us"] / best, 1)
+    return rows_out, summary
+
+
+def _weights(model):
+    """Every weight array a decode step reads once (wte as the LM head; wpe rows are few)."""
+    out = [model.lm_head, model.ln_f_w, model.ln_f_b]
+    for blk in model.blocks:
+        out += [getattr(blk, f) for f in blk.__dataclass_fields__]
+    return out
+
+
+def wall_per_token(model, batch: int, new: int = 512) -> float:
+    prompts = [PROMPT] * batch if batch > 1 else PROMPT
+    model.generate(prompts, 8)
+    best = 1e30
+    for _ in range(2):
+        cp.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        model.generate(prompts, new)
+        cp.cuda.runtime.deviceSynchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best / new * 1e6
+
+
+def bench_steps(cases, ceiling, replays, pdl_ok) -> tuple[list[dict], list[dict]]:
+    from gpt2_cupy import GPT2, SIZES
+    import transformers
+
+    rows, summaries = [], []
+    by_size = {}
+    for size, dtype, batch in cases:
+        by_size.setdefault(size, []).append((dtype, batch))
+    for size, todo in by_size.items():
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            hf = transformers.GPT2LMHeadModel(SIZES[size].to_hf())
+        for dtype in dict.fromkeys(d for d, _ in todo):
+            model = GPT2.from_hf(hf, dtype)
+            for d, batch in todo:
+                if d != dtype:
+                    continue
+                per_kernel, summary = profile_step(model, batch, ceiling, replays, pdl_ok)
+                summary.update({"bench": "decode_step", "impl": "step", "model": size, "dtype": dtype,
+                                "batch": batch})
+                summary["wall_us_per_token"] = round(wall_per_token(model, batch), 2)
+                summaries.append(summary)
+                for r in per_kernel:
+                    rows.append({"bench": "decode_step_kernel", "model": size, "dtype": dtype, "batch": batch, **r})
+                by_role = {}
+                for r in per_kernel:
+                    t = by_role.setdefault(r["role"], [0, 0.0, 0])
+                    t[0] += 1
+                    t[1] += r["us"]
+                    t[2] += r["bytes"]
+                print("    " + ", ".join(f"{role} {k}x {us:.1f} us ({100 * b / us / 1e3 / ceiling:.0f}%)"
+                                         for role, (k, us, b) in by_role.items()), flush=True)
+                print(f"{size:12s} {dtype:9s} B={batch:<3d} step {summary['step_us']:8.2f} us"
+                      f" (pdl {summary.get('step_us_pdl', float('nan')):8.2f}), kernels {summary['kernel_sum_us']:8.2f} us"
+                      f" in {summary['kernels']}, floor {summary['floor_us']:7.2f} us ({summary['pct_floor']}%),"
+                      f" wall/token {summary['wall_us_per_token']:8.2f} us", flush=True)
+            del model
+            cp.get_default_memory_pool().free_all_blocks()
+        del hf
+        torch.cuda.empty_cache()
+    return rows, summaries
+
+
+def plot(rows, summaries):
+    shown = [s for s in summaries if s["batch"] == 1]
+    if not shown:
+        return None
+    fig, ax = subplots(1, 1, figsize=(11, 0.6 * len(shown) + 2.5))
+    roles = list(dict.fromkeys(r["role"] for r in rows))
+    colors = dict(zip(roles, ["C%d" % i for i in range(10)] * 3))
+    labels = []
+    for y, s in enumerate(shown):
+        mine = [r for r in rows if (r["model"], r["dtype"], r["batch"]) == (s["model"], s["dtype"], s["batch"])]
+        left = 0.0
+        for role in roles:
+            us = sum(r["us"] for r in mine if r["role"] == role)
+            if us:
+                ax.barh(y, us, left=left, color=colors[role], label=role if y == 0 else None)
+                left += us
+        step = min(s["step_us"], s.get("step_us_pdl", 1e30))
+        ax.plot([step], [y], "k|", markersize=18)
+        ax.plot([s["floor_us"]], [y], "rx", markersize=10)
+        labels.append(f"{s['model']} {s['dtype']}")
+    ax.set_yticks(range(len(shown)), labels)
+    ax.set_xscale("log")
+    ax.set_xlabel("us per token, batch 1: kernels (bars), step in its CUDA graph (|), weight-read floor (x)")
+    ax.legend(loc="lower right", fontsize=8, ncol=2)
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    return save_figure(fig, "decode_step")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="GPT-2 small only, fewer cases")
+    p.add_argument("--skip-gemv", action="store_true")
+    p.add_argument("--skip-profile", action="store_true")
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--gemv-sizes", nargs="*", help="model sizes of the matrix-vector part (default: gpt2 gpt2-xl)")
+    p.add_argument("--gemv-dtypes", nargs="*", help="dtypes of the matrix-vector part (default: all)")
+    args = p.parse_args()
+    print(banner())
+    ceiling = copy_ceiling_GBps()
+    pdl_ok = _build.pdl_supported()
+    print(f"copy ceiling {ceiling:.0f} GB/s; programmatic dependent launch: {pdl_ok}")
+    rows = []
+    if not args.skip_gemv:
+        sizes = args.gemv_sizes or (["gpt2"] if args.quick else ["gpt2", "gpt2-xl"])
+        dtypes = args.gemv_dtypes or (["float16"] if args.quick else list(DTYPES))
+        rows += bench_gemv(sizes, dtypes, ceiling, pdl_ok, {"float16"})
+    summaries = []
+    if not args.skip_profile:
+        if args.quick:
+            cases = [("gpt2", "float16", 1), ("gpt2", "float16", 8)]
+        else:
+            cases = [(size, dtype, b) for size in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+                     for dtype in DTYPES for b in (1, 8)]
+        step_rows, summaries = bench_steps(cases, ceiling, args.replays, pdl_ok)
+        rows += step_rows
+    path = write_results("decode_step", rows + summaries, {"copy_GBps": round(ceiling, 1)})
+    print(f"wrote {path}")
+    if summaries:
+        print(f"wrote {plot([r for r in rows if r['bench'] == 'decode_step_kernel'], summaries)}")
+
+
+if __name__ == "__main__":
+    main()

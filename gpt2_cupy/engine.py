@@ -1,0 +1,210 @@
+"""The generation engine: what turns the model's prefill and decode step into a stream
+of tokens without stalling the GPU.
+
+A :class:`Session` holds everything one shape of generation needs (the decode buffers, a
+KV cache, the recorded LM head and decode step, the decode step's CUDA graph, a stream
+of its own and a pinned ring for token read-back). Sessions are kept per model and
+reused by later calls whose batch and cache length round up to the same bucket, so a
+warm call records nothing and captures nothing. Tokens come back asynchronously: the
+host queues up to ``LOOKAHEAD`` steps, each followed by a copy of its tokens into
+pinned memory and an event, and reads a step's tokens only when its event has fired.
+A sequence that ends (end-of-text) may cost a few steps of wasted GPU work; the tokens
+returned are exact.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import cupy
+import cupyx
+import numpy
+
+from cupy_kernels import _build
+
+LOOKAHEAD = 4  # decode steps queued ahead of the host's read-back
+MAX_SESSIONS = 4  # sessions kept per model (least recently used idle ones go first)
+MIN_CACHE = 64  # smallest cache-length bucket
+
+
+def batch_bucket(B: int) -> int:
+    """Rows a session runs for B sequences: the next power of two."""
+    return 1 << (B - 1).bit_length()
+
+
+def length_bucket(n: int, n_positions: int) -> int:
+    """Cache rows a session holds for sequences of up to n tokens: the next power of two
+    (at least MIN_CACHE), at most the model's positions."""
+    return min(n_positions, max(MIN_CACHE, 1 << (n - 1).bit_length()))
+
+
+def _emit(tokens, done: list[bool], eos_token_id) -> list[int | None]:
+    """One step's new token per sequence (None where it had finished); marks the sequences
+    that just produced ``eos_token_id`` as done."""
+    step = []
+    for b, finished in enumerate(done):
+        if finished:
+            step.append(None)
+            continue
+        t = int(tokens[b])
+        step.append(t)
+        done[b] = eos_token_id is not None and t == eos_token_id
+    return step
+
+
+class DecodeBuffers:
+    """Everything one decode step reads or writes, allocated before the first step."""
+
+    def __init__(self, config, batch: int, dtype):
+        B, C = batch, config.n_embd
+        self.tokens = cupy.zeros(B, dtype=numpy.int32)  # the token each sequence feeds next
+        self.x = cupy.zeros((B, C), dtype=dtype)  # residual stream
+        self.qkv = cupy.zeros((B, 3 * C), dtype=dtype)
+        self.att = cupy.zeros((B, config.n_head, config.head_dim), dtype=dtype)
+        self.f = cupy.zeros((B, 4 * C), dtype=dtype)
+        self.logits = cupy.zeros((B, config.vocab_size), dtype=numpy.float32)
+        self.offsets = cupy.zeros(B, dtype=numpy.uint64)  # sampling counters
+
+
+class Session:
+    """Buffers, cache, recorded launches and graph for one (batch, cache length, KV-cache
+    dtype, sampling settings) bucket of one model, on a stream of its own."""
+
+    def __init__(self, model, batch: int, max_len: int, kv_dtype, sampling: dict | None, cuda_graph: bool):
+        from .model import KVCache
+
+        self.batch, self.max_len = batch, max_len
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        with self.stream:
+            self.buf = DecodeBuffers(model.config, batch, model.dtype)
+            self.cache = KVCache(model.config, batch, max_len, model.dtype, kv_dtype)
+            with _build.recording() as self.head:
+                model.head(self.buf, sampling)
+            self.step = model.record_step(self.cache, self.buf, sampling)
+        self.graph = None
+        if cuda_graph:
+            self.stream.synchronize()
+            self.stream.begin_capture()
+            try:
+                with self.stream:
+                    self.step.replay(pdl=_build.pdl_supported())
+            finally:
+                self.graph = self.stream.end_capture()
+        self.pinned = cupyx.empty_pinned((LOOKAHEAD, batch), dtype=numpy.int32)
+        self.events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(LOOKAHEAD)]
+        self.busy = False
+
+    def run_step(self) -> None:
+        """One decode step on the session's stream."""
+        if self.graph is not None:
+            self.graph.launch(stream=self.stream)
+        else:
+            with self.stream:
+                self.step.replay()
+
+    def send_tokens(self, slot: int) -> None:
+        """Queue a copy of the current tokens into pinned slot ``slot`` and mark it."""
+        nbytes = self.batch * 4
+        dst = self.pinned[slot].ctypes.data
+        cupy.cuda.runtime.memcpyAsync(dst, self.buf.tokens.data.ptr, nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        self.events[slot].record(self.stream)
+
+    def receive_tokens(self, slot: int) -> numpy.ndarray:
+        self.events[slot].synchronize()
+        return self.pinned[slot].copy()
+
+
+class Engine:
+    """The sessions of one model, and the generation loop over them."""
+
+    def __init__(self, model):
+        self.model = model
+        self._sessions: collections.OrderedDict[tuple, list[Session]] = collections.OrderedDict()
+
+    def _acquire(self, B: int, n_max: int, kv_dtype, sampling, cuda_graph) -> Session:
+        cfg = self.model.config
+        key = (batch_bucket(B), length_bucket(n_max, cfg.n_positions), kv_dtype,
+               None if sampling is None else tuple(sorted(sampling.items())), bool(cuda_graph))
+        pool = self._sessions.setdefault(key, [])
+        self._sessions.move_to_end(key)
+        for s in pool:
+            if not s.busy:
+                s.busy = True
+                return s
+        while sum(len(p) for p in self._sessions.values()) >= MAX_SESSIONS:
+            if not self._evict_one():
+                break
+        s = Session(self.model, key[0], key[1], kv_dtype, sampling, cuda_graph)
+        s.busy = True
+        self._sessions.setdefault(key, []).append(s)
+        return s
+
+    def _evict_one(self) -> bool:
+        for key, pool in self._sessions.items():  # oldest key first
+            for s in pool:
+                if not s.busy:
+                    pool.remove(s)
+                    if not pool:
+                        del self._sessions[key]
+                    return True
+        return False
+
+    def sessions(self) -> int:
+        """How many sessions are kept now."""
+        return sum(len(p) for p in self._sessions.values())
+
+    def steps(self, rows, max_new_tokens: int, sampling: dict | None, eos_token_id, cuda_graph: bool, kv_dtype):
+        """Iterator over decoding steps: a list with one new token id per sequence (None
+        for a sequence that has finished). Inputs were checked by the model."""
+        B = len(rows)
+        s = self._acquire(B, max(r.size for r in rows) + max_new_tokens, kv_dtype, sampling, cuda_graph)
+        seqs_done = [False] * B
+        try:
+            with s.stream:
+                for b, r in enumerate(rows):  # each prompt alone: its last residual into row b of x
+                    self.model._prefill(cupy.asarray(r, dtype=numpy.int32), s.cache, b, s.buf.x[b:b + 1])
+                positions = numpy.zeros(s.batch, dtype=numpy.int32)  # rows past B: idle sequences at 0
+                positions[:B] = [r.size for r in rows]
+                s.cache.positions.set(positions)
+                if sampling is not None:
+                    s.buf.offsets.fill(0)
+                s.head.replay()
+            s.send_tokens(0)
+            issued, read = 1, 0
+            while read < max_new_tokens:
+                while issued < max_new_tokens and issued - read < LOOKAHEAD:
+                    s.run_step()
+                    s.send_tokens(issued % LOOKAHEAD)
+                    issued += 1
+                tokens = s.receive_tokens(read % LOOKAHEAD)
+                read += 1
+                yield _emit(tokens, seqs_done, eos_token_id)
+                if all(seqs_done):
+                    return
+        finally:
+            s.busy = False
+
+    def steps_without_cache(self, rows, max_new_tokens: int, sampling: dict | None, eos_token_id):
+        """Like :meth:`steps`, recomputing every sequence in full for each new token."""
+        m = self.model
+        B = len(rows)
+        buf = DecodeBuffers(m.config, B, m.dtype)
+        with _build.recording() as head:
+            m.head(buf, sampling)
+        seqs = [list(map(int, r)) for r in rows]
+        done = [False] * B
+        for _ in range(max_new_tokens):
+            for b in range(B):
+                m._prefill(cupy.asarray(seqs[b], dtype=numpy.int32), None, b, buf.x[b:b + 1])
+            head.replay()
+            step = _emit(buf.tokens.get(), done, eos_token_id)
+            for b, t in enumerate(step):
+                if t is not None:
+                    seqs[b].append(t)
+            yield step
+            if all(done):
+                return
+
+
+__all__ = ["DecodeBuffers", "Engine", "Session", "LOOKAHEAD", "batch_bucket", "length_bucket"]
