@@ -162,12 +162,12 @@ def plot_series(ax, rows: list[dict], x: str, y: str, label=lambda r: r["impl"],
     ax.grid(True, which="both", alpha=0.3)
 
 
-def save_figure(fig, name: str) -> Path:
-    """benchmarks/results/<name>-<device>.png"""
+def save_figure(fig, name: str, device: str | None = None) -> Path:
+    """benchmarks/results/<name>-<device>.png (device: this GPU's slug unless given)"""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    path = RESULTS / f"{name}-{device_slug()}.png"
+    path = RESULTS / f"{name}-{device or device_slug()}.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path

@@ -17,7 +17,8 @@
    dependent launch), its kernels' sum, and the floor (weight bytes / copy bandwidth).
    Wall time per token of a 512-token ``generate`` call beside it.
 
-Writes benchmarks/results/decode_step-<device>.json and decode_step-<device>.png.
+Writes benchmarks/results/decode_step-<device>.json and decode_step-<device>.png
+(``--replot FILE`` redraws the picture from a results file, without a GPU).
 """
 
 from __future__ import annotations
@@ -295,11 +296,11 @@ def bench_steps(cases, ceiling, replays, pdl_ok) -> tuple[list[dict], list[dict]
     return rows, summaries
 
 
-def plot(rows, summaries):
+def plot(rows, summaries, device: str | None = None):
     shown = [s for s in summaries if s["batch"] == 1]
     if not shown:
         return None
-    fig, ax = subplots(1, 1, figsize=(11, 0.6 * len(shown) + 2.5))
+    fig, ax = subplots(1, 1, figsize=(11, 0.6 * len(shown) + 3))
     roles = list(dict.fromkeys(r["role"] for r in rows))
     colors = dict(zip(roles, ["C%d" % i for i in range(10)] * 3))
     labels = []
@@ -316,11 +317,10 @@ def plot(rows, summaries):
         ax.plot([s["floor_us"]], [y], "rx", markersize=10)
         labels.append(f"{s['model']} {s['dtype']}")
     ax.set_yticks(range(len(shown)), labels)
-    ax.set_xscale("log")
     ax.set_xlabel("us per token, batch 1: kernels (bars), step in its CUDA graph (|), weight-read floor (x)")
-    ax.legend(loc="lower right", fontsize=8, ncol=2)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize=8, ncol=5)
     ax.grid(True, axis="x", which="both", alpha=0.3)
-    return save_figure(fig, "decode_step")
+    return save_figure(fig, "decode_step", device)
 
 
 def main():
@@ -331,7 +331,16 @@ def main():
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--gemv-sizes", nargs="*", help="model sizes of the matrix-vector part (default: gpt2 gpt2-xl)")
     p.add_argument("--gemv-dtypes", nargs="*", help="dtypes of the matrix-vector part (default: all)")
+    p.add_argument("--replot", metavar="JSON", help="only redraw the picture from a results file")
     args = p.parse_args()
+    if args.replot:
+        import json
+
+        rows = json.loads(open(args.replot).read())["rows"]
+        device = re.sub(r"^decode_step-|\.json$", "", args.replot.rsplit("/", 1)[-1])
+        print(plot([r for r in rows if r.get("bench") == "decode_step_kernel"],
+                   [r for r in rows if r.get("bench") == "decode_step"], device))
+        return
     print(banner())
     ceiling = copy_ceiling_GBps()
     pdl_ok = _build.pdl_supported()

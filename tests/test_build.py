@@ -83,11 +83,26 @@ def test_plan_records_instead_of_launching():
             launched.append(a)
 
     with _build.recording() as plan:
-        rec = _build._Recorder(FakeKernel(), _build._plan)
+        rec = _build._Recorder(FakeKernel(), _build._plan, False)
         rec((2,), (32,), (1, 2))
         with pytest.raises(RuntimeError, match="already recording"):
             with _build.recording():
                 pass
-    assert launched == [] and len(plan) == 1 and plan[0].grid == (2,)
+    assert launched == [] and len(plan) == 1 and plan[0].grid == (2,) and not plan[0].pdl
     plan.replay()
     assert launched == [((2,), (32,), (1, 2))]
+    plan.replay(pdl=True)  # a kernel not declared pdl keeps the plain launch
+    assert len(launched) == 2
+
+
+def test_decode_step_kernels_are_declared_for_programmatic_launch():
+    """The kernels of the decode step wait (griddep_wait) before reading what the kernel
+    before them wrote; the others are launched plainly."""
+    declared = _build.declared()
+    for source in ("linear.cu", "embedding.cu", "kv_cache.cu", "decode_attention.cu"):
+        assert all((source, n) in _build._pdl for n in declared[source]), source
+    assert ("sampling.cu", "argmax_partials_kernel") in _build._pdl
+    assert ("sampling.cu", "argmax_kernel<float>") not in _build._pdl
+    for source in ("linear.cu", "embedding.cu", "kv_cache.cu", "decode_attention.cu"):
+        text = _build.source_text(source)
+        assert text.count("griddep_wait();") >= 1, source

@@ -96,3 +96,28 @@ def test_command_line_error_is_one_line(capsys):
     assert main(["hi", "--dtype", "int8", "--random-weights"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ValueError: unsupported dtype") and "\n" not in err
+
+
+def test_programmatic_launch_packs_arguments_as_cupy_does():
+    """cuLaunchKernelEx gets each argument as CuPy would pass it: typed numpy scalars at
+    their width, Python ints (null pointers) as 64 bits."""
+    import ctypes
+
+    from cupy_kernels._build import _c_arg
+
+    assert isinstance(_c_arg(np.int32(-3)), ctypes.c_int32) and _c_arg(np.int32(-3)).value == -3
+    assert isinstance(_c_arg(np.float32(0.5)), ctypes.c_float) and _c_arg(np.float32(0.5)).value == 0.5
+    assert isinstance(_c_arg(np.uint32(7)), ctypes.c_uint32)
+    assert isinstance(_c_arg(np.uint64(2**63)), ctypes.c_uint64) and _c_arg(np.uint64(2**63)).value == 2**63
+    assert isinstance(_c_arg(0), ctypes.c_int64)
+    with pytest.raises(TypeError, match="programmatic"):
+        _c_arg("not an argument")
+
+
+def test_engine_buckets():
+    from gpt2_cupy.engine import MIN_CACHE, batch_bucket, length_bucket
+
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert length_bucket(10, 1024) == MIN_CACHE
+    assert length_bucket(520, 1024) == 1024 and length_bucket(1000, 1024) == 1024
+    assert length_bucket(129, 1024) == 256 and length_bucket(128, 1024) == 128
