@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 import cupy_kernels as K
-from benchmarks.common import (banner, copy_ceiling_GBps, graph_replay_us, save_figure, subplots, time_gpu,
-                               write_results)
+from benchmarks.common import (banner, copy_ceiling_GBps, decode_weight_bytes, graph_replay_us, save_figure, subplots,
+                               time_gpu, write_results)
 from cupy_kernels import _build
 
 linear_mod = importlib.import_module("cupy_kernels.linear")  # the module (the package exports the function)
@@ -224,20 +224,12 @@ def profile_step(model, batch: int, ceiling: float, replays: int, pdl_ok: bool) 
                          "pct_copy": round(100 * nbytes / us / 1e3 / ceiling, 1) if us > 0 else None})
     summary["kernels"] = n
     summary["kernel_sum_us"] = round(sum(r["us"] for r in rows_out), 2)
-    weight_bytes = sum(a.nbytes for a in _weights(model))
+    weight_bytes = decode_weight_bytes(model)
     summary["weight_bytes"] = weight_bytes
     summary["floor_us"] = round(weight_bytes / ceiling / 1e3, 2)
     best = min(summary.get("step_us_pdl", 1e30), summary["step_us"])
     summary["pct_floor"] = round(100 * summary["floor_us"] / best, 1)
     return rows_out, summary
-
-
-def _weights(model):
-    """Every weight array a decode step reads once (wte as the LM head; wpe rows are few)."""
-    out = [model.lm_head, model.ln_f_w, model.ln_f_b]
-    for blk in model.blocks:
-        out += [getattr(blk, f) for f in blk.__dataclass_fields__]
-    return out
 
 
 def wall_per_token(model, batch: int, new: int = 512) -> float:

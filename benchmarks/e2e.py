@@ -20,7 +20,7 @@ import cupy
 import torch
 import transformers
 
-from benchmarks.common import banner, copy_ceiling_GBps, write_results
+from benchmarks.common import banner, copy_ceiling_GBps, decode_weight_bytes, write_results
 from gpt2_cupy import GPT2, SIZES
 
 PROMPT = [15496, 11, 314, 1101, 257, 3303, 2746, 11]
@@ -138,15 +138,6 @@ def one_token(size, dtype, repeats: int = 20) -> dict:
             "beyond_prefill_ms": round((call - prefill) * 1e3, 3)}
 
 
-def weight_bytes(size: str, dtype: str) -> int:
-    """Bytes one decode step must read: every weight once (the tied LM head counted once)."""
-    model = ours_model(size, dtype)
-    arrays = [model.lm_head, model.ln_f_w, model.ln_f_b]
-    for blk in model.blocks:
-        arrays += [getattr(blk, f) for f in blk.__dataclass_fields__]
-    return sum(a.nbytes for a in arrays)
-
-
 def main():
     global NEW
     p = argparse.ArgumentParser()
@@ -183,7 +174,7 @@ def main():
         if impl == "ours":
             s = run_ours(size, dtype, cache, graph, args.repeats)
             if cache and graph:  # against the weight-read roofline of the same run
-                floor_s = weight_bytes(size, dtype) / (ceilings["copy_GBps"] * 1e9)
+                floor_s = decode_weight_bytes(ours_model(size, dtype)) / (ceilings["copy_GBps"] * 1e9)
                 extra = {"roofline_tok_s": round(1 / floor_s, 1), "pct_roofline": round(100 * floor_s * NEW / s, 1)}
         elif impl == "transformers-compile":
             try:

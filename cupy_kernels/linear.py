@@ -23,7 +23,7 @@ _EPI = {"store": 0, "gelu": 1, "residual": 2, "argmax": 3, "qkv_cache": 4}
 # took 40 us for GPT-2's qkv at B = 8 on the H100, against 3.4 MB of weights.
 BATCH_ROWS = (1, 4)
 # (RW rows of W a warp works on at once, U 16-byte loads per row and lane in flight; the next
-# U are requested before these are used). Which one a shape gets: _tile.
+# U are requested once these are used). Which one a shape gets: _tile.
 TILES = ((2, 4), (4, 2), (1, 8))
 WARPS = (4, 8)
 _SCALAR_TILE = (1, 8)  # the unaligned (element-wise) path
@@ -78,7 +78,8 @@ def _tile(N: int, K: int, itemsize: int) -> tuple[tuple[int, int], int]:
     than 8 keep the LayerNorm-prologue kernels, which hold more registers, in one wave.
     The LM head (N >= 16384) runs in many waves, and each block pays the LayerNorm
     prologue once: 4 rows x 2 loads in 8-warp blocks (a quarter of the blocks) measured
-    the same without the prologue (28.0 against 27.8 us) and 30.4 us with it in the step."""
+    the same without the prologue (28.0 against 27.8 us); with it, the LM head takes
+    60.5 us in the step (benchmarks/results/decode_step-h100.json)."""
     if N >= 16384:
         return (4, 2), 8
     return (2, 4), 4
@@ -128,7 +129,7 @@ def _prepare(x, weight, bias, ln):
     return x, weight, bias, ln, B, N, K
 
 
-def _geometry(x, weight, N: int, K: int, tile, warps, ln: bool, B: int):
+def _geometry(x, weight, N: int, K: int, tile, warps, ln: bool):
     """(vector width, tile, warps per block) of a launch. The tile never changes the
     numbers; the block width (warps) follows the shape alone, so neither does that."""
     dflt_tile, dflt_warps = _tile(N, K, x.dtype.itemsize)
@@ -153,7 +154,7 @@ def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, til
     """Launches linear_kernel; returns its number of blocks and the argmax partials, made by
     ``part(blocks)`` when given."""
     ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
-    vec, tile, warps = _geometry(x, weight, N, K, tile, warps, ln is not None, B)
+    vec, tile, warps = _geometry(x, weight, N, K, tile, warps, ln is not None)
     br = _batch_rows(B, K)
     kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), out_type, vec, tile, br, ln is not None, epi))
     smem = br * K * 4
