@@ -1,15 +1,19 @@
 """Where a generated token's time goes, and the matrix-vector products on their own.
 
-    python -m benchmarks.decode_step [--quick] [--skip-gemv] [--skip-profile]
+    python -m benchmarks.decode_step [--quick] [--skip-gemv] [--skip-profile] [--gemv-batches 1 64]
+                                     [--steps SIZE:DTYPE:BATCH ...]
 
-1. Matrix-vector products (``linear``), each weight shape of GPT-2 small and XL, B = 1:
+1. Products (``linear``), each weight shape of GPT-2 small and XL, B = 1 (and the rows of x
+   ``--gemv-batches`` gives):
    GB/s = weight bytes N K s / median time, against the copy ceiling of the same run and
    cuBLAS (torch.nn.functional.linear on the same memory) under the same timer. Two
    timings: one launch with a cold L2 (queued behind a sleep kernel, so the host's launch
    cost is not counted), and launches back to back in a CUDA graph, each on its own copy
    of the weights (copies spanning twice the L2, so none is re-read from L2), with and
-   without programmatic dependent launch: the way the decode step runs them. Every tile
-   and block width is timed (rows with ``tile``); the wrapper's choice is ``impl: ours``.
+   without programmatic dependent launch: the way the decode step runs them. In float16
+   the other launch shapes are timed too (``impl: ours-tile``: on CUDA cores every tile and
+   block width; on tensor cores the warps that split K at B = 1, the n-tiles per block
+   past it); the wrapper's choice is ``impl: ours``.
 2. The decode step (``impl: step``): for each size and dtype at batch 1 and 8, the
    CUDA graph of one step is replayed under torch.profiler (CUPTI sees CuPy's kernels);
    per launch of the step: kernel, role, bytes it must move, median time, GB/s. The
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import re
 import statistics
 import time
@@ -68,62 +73,65 @@ def graph_time(launch, n: int, pdl: bool) -> float:
     return graph_replay_us(graph, stream, n)
 
 
-def bench_gemv(sizes, dtypes, ceiling, pdl_ok, sweep_dtypes) -> list[dict]:
+def bench_gemv(sizes, dtypes, ceiling, pdl_ok, sweep_dtypes, batches=(1,)) -> list[dict]:
     rows = []
     l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
     for size in sizes:
-        for role, (N, Kd) in gemv_shapes(size).items():
-            for dtype in dtypes:
-                np_dt, t_dt = DTYPES[dtype]
-                s = np.dtype(np_dt).itemsize
-                nbytes = N * Kd * s
-                copies = max(2, -(-2 * l2 // nbytes))
-                tw = [torch.randn(N, Kd, device="cuda", dtype=torch.float32).to(t_dt) for _ in range(copies)]
-                tx = torch.randn(1, Kd, device="cuda", dtype=torch.float32).to(t_dt)
-                w = [cp.from_dlpack(t) for t in tw]
-                x = cp.from_dlpack(tx)
-                out = cp.empty((1, N), dtype=np_dt)
-                base = {"bench": "gemv", "model": size, "role": role, "N": N, "K": Kd, "dtype": dtype, "batch": 1,
-                        "bytes": nbytes}
+        for (role, (N, Kd)), dtype, B in itertools.product(gemv_shapes(size).items(), dtypes, batches):
+            np_dt, t_dt = DTYPES[dtype]
+            s = np.dtype(np_dt).itemsize
+            nbytes = N * Kd * s
+            copies = max(2, -(-2 * l2 // nbytes))
+            tw = [torch.randn(N, Kd, device="cuda", dtype=torch.float32).to(t_dt) for _ in range(copies)]
+            tx = torch.randn(B, Kd, device="cuda", dtype=torch.float32).to(t_dt)
+            w = [cp.from_dlpack(t) for t in tw]
+            x = cp.from_dlpack(tx)
+            out = cp.empty((B, N), dtype=np_dt)
+            base = {"bench": "gemv", "model": size, "role": role, "N": N, "K": Kd, "dtype": dtype, "batch": B,
+                    "bytes": nbytes}
 
-                def record(impl, t, **extra):
-                    row = {**base, "impl": impl, **extra, "us": round(t["us"], 3),
-                           "us_min": round(t["us_min"], 3), "us_max": round(t["us_max"], 3),
-                           "GBps": round(nbytes / t["us"] / 1e3, 1),
-                           "pct_copy": round(100 * nbytes / t["us"] / 1e3 / ceiling, 1)}
-                    rows.append(row)
-                    return row
+            def record(impl, t, **extra):
+                row = {**base, "impl": impl, **extra, "us": round(t["us"], 3),
+                       "us_min": round(t["us_min"], 3), "us_max": round(t["us_max"], 3),
+                       "GBps": round(nbytes / t["us"] / 1e3, 1),
+                       "pct_copy": round(100 * nbytes / t["us"] / 1e3 / ceiling, 1)}
+                rows.append(row)
+                return row
 
-                def graph_row(impl, fn, **extra):
-                    for pdl in (False, True) if pdl_ok else (False,):
-                        us = graph_time(fn, copies, pdl)
-                        rows.append({**base, "impl": impl, **extra, "timing": "graph", "pdl": pdl, "copies": copies,
-                                     "us": round(us, 3), "GBps": round(nbytes / us / 1e3, 1),
-                                     "pct_copy": round(100 * nbytes / us / 1e3 / ceiling, 1)})
+            def graph_row(impl, fn, **extra):
+                for pdl in (False, True) if pdl_ok else (False,):
+                    us = graph_time(fn, copies, pdl)
+                    rows.append({**base, "impl": impl, **extra, "timing": "graph", "pdl": pdl, "copies": copies,
+                                 "us": round(us, 3), "GBps": round(nbytes / us / 1e3, 1),
+                                 "pct_copy": round(100 * nbytes / us / 1e3 / ceiling, 1)})
 
-                tiles = [(None, None)]
-                if dtype in sweep_dtypes:
-                    tiles += [(t, wp) for t in linear_mod.TILES for wp in linear_mod.WARPS]
-                for tile, warps in tiles:
-                    impl = "ours" if tile is None else "ours-tile"
-                    extra = {} if tile is None else {"tile": list(tile), "warps": warps}
-                    t = time_gpu(lambda: K.linear(x, w[0], out=out, tile=tile, warps=warps))
-                    record(impl, t, timing="cold", **extra)
-                    graph_row(impl, lambda i: K.linear(x, w[i], out=out, tile=tile, warps=warps), **extra)
-                t = time_gpu(lambda: F.linear(tx, tw[0]))
-                record("cublas", t, timing="cold")
-                r = [x for x in rows if x["role"] == role and x["model"] == size and x["dtype"] == dtype
-                     and x["impl"] in ("ours", "cublas")]
-                print(f"{size:8s} {role:9s} {N:6d}x{Kd:<5d} {dtype:9s} "
-                      + "  ".join(f"{q['impl']}/{q['timing']}{'/pdl' if q.get('pdl') else ''} "
-                                  f"{q['us']:7.2f} us {q['pct_copy']:5.1f}%" for q in r), flush=True)
-                sweep = [q for q in rows if q["role"] == role and q["model"] == size and q["dtype"] == dtype
-                         and q["impl"] == "ours-tile" and q["timing"] == "graph" and q["pdl"] == pdl_ok]
-                if sweep:
-                    print("    tiles (graph): " + ", ".join(f"{tuple(q['tile'])}x{q['warps']} {q['us']:.2f}"
-                                                       for q in sorted(sweep, key=lambda q: q["us"])), flush=True)
-                tw = w = None  # free the copies before the next shape
-                torch.cuda.empty_cache()
+            shapes = [{}]  # launch-shape overrides: the default first
+            if dtype in sweep_dtypes and s == 2 and B == 1:  # tensor cores: the warps that split K
+                shapes += [{"warps": wp} for wp in (2, 4, 8)]
+            elif dtype in sweep_dtypes and s == 2:  # n-tiles of 8 rows of x per block
+                shapes += [{"tile": t} for t in linear_mod.MMA_TILES]
+            elif dtype in sweep_dtypes:
+                shapes += [{"tile": t, "warps": wp} for t in linear_mod.TILES for wp in linear_mod.WARPS]
+            for kw in shapes:
+                impl = "ours-tile" if kw else "ours"
+                extra = {k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()}
+                t = time_gpu(lambda: K.linear(x, w[0], out=out, **kw))
+                record(impl, t, timing="cold", **extra)
+                graph_row(impl, lambda i: K.linear(x, w[i], out=out, **kw), **extra)
+            t = time_gpu(lambda: F.linear(tx, tw[0]))
+            record("cublas", t, timing="cold")
+            r = [x for x in rows if x["role"] == role and x["model"] == size and x["dtype"] == dtype
+                 and x["batch"] == B and x["impl"] in ("ours", "cublas")]
+            print(f"{size:8s} {role:9s} {N:6d}x{Kd:<5d} {dtype:9s} B={B:<3d} "
+                  + "  ".join(f"{q['impl']}/{q['timing']}{'/pdl' if q.get('pdl') else ''} "
+                              f"{q['us']:7.2f} us {q['pct_copy']:5.1f}%" for q in r), flush=True)
+            sweep = [q for q in rows if q["role"] == role and q["model"] == size and q["dtype"] == dtype
+                     and q["batch"] == B and q["impl"] == "ours-tile" and q["timing"] == "graph" and q["pdl"] == pdl_ok]
+            if sweep:
+                print("    tiles (graph): " + ", ".join(f"{q.get('tile')}x{q.get('warps')} {q['us']:.2f}"
+                                                   for q in sorted(sweep, key=lambda q: q["us"])), flush=True)
+            tw = w = None  # free the copies before the next shape
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -146,8 +154,8 @@ def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, in
     roles, li = [], 0
     for launch in plan:
         name = _kernel_name(launch)
-        if name == "linear_kernel":
-            N, Kd = int(launch.args[-2]), int(launch.args[-1])
+        if name in ("linear_kernel", "linear_mma_kernel"):
+            N, Kd = (int(a) for a in (launch.args[-2:] if name == "linear_kernel" else launch.args[-3:-1]))
             role = "lm_head" if N == cfg.vocab_size else layer[li % 4]
             li += role != "lm_head"
             roles.append((role, N * Kd * s + batch * (N + Kd) * s))
@@ -157,6 +165,8 @@ def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, in
             roles.append(("attention_merge", batch * C * s))
         elif name.startswith("kv_append"):
             roles.append(("kv_append", 2 * batch * C * s))
+        elif name == "ln_rows_kernel":
+            roles.append(("layernorm", 2 * batch * int(launch.args[-1]) * s))
         elif name == "embedding_kernel":
             roles.append(("embedding", 3 * batch * C * s))
         else:
@@ -295,14 +305,15 @@ def plot(rows, summaries, device: str | None = None):
     fig, ax = subplots(1, 1, figsize=(11, 0.6 * len(shown) + 3))
     roles = list(dict.fromkeys(r["role"] for r in rows))
     colors = dict(zip(roles, ["C%d" % i for i in range(10)] * 3))
-    labels = []
+    labels, named = [], set()
     for y, s in enumerate(shown):
         mine = [r for r in rows if (r["model"], r["dtype"], r["batch"]) == (s["model"], s["dtype"], s["batch"])]
         left = 0.0
         for role in roles:
             us = sum(r["us"] for r in mine if r["role"] == role)
             if us:
-                ax.barh(y, us, left=left, color=colors[role], label=role if y == 0 else None)
+                ax.barh(y, us, left=left, color=colors[role], label=None if role in named else role)
+                named.add(role)
                 left += us
         step = min(s["step_us"], s.get("step_us_pdl", 1e30))
         ax.plot([step], [y], "k|", markersize=18)
@@ -310,7 +321,7 @@ def plot(rows, summaries, device: str | None = None):
         labels.append(f"{s['model']} {s['dtype']}")
     ax.set_yticks(range(len(shown)), labels)
     ax.set_xlabel("us per token, batch 1: kernels (bars), step in its CUDA graph (|), weight-read floor (x)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize=8, ncol=5)
+    ax.legend(loc="lower right", fontsize=8, ncol=2)  # where the small models leave room
     ax.grid(True, axis="x", which="both", alpha=0.3)
     return save_figure(fig, "decode_step", device)
 
@@ -323,6 +334,9 @@ def main():
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--gemv-sizes", nargs="*", help="model sizes of the matrix-vector part (default: gpt2 gpt2-xl)")
     p.add_argument("--gemv-dtypes", nargs="*", help="dtypes of the matrix-vector part (default: all)")
+    p.add_argument("--gemv-batches", nargs="*", type=int, default=[1], help="rows of x (default: 1)")
+    p.add_argument("--steps", nargs="*", metavar="SIZE:DTYPE:BATCH",
+                   help="decode steps to profile (default: every size and dtype at batch 1 and 8)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the picture from a results file")
     args = p.parse_args()
     if args.replot:
@@ -341,10 +355,12 @@ def main():
     if not args.skip_gemv:
         sizes = args.gemv_sizes or (["gpt2"] if args.quick else ["gpt2", "gpt2-xl"])
         dtypes = args.gemv_dtypes or (["float16"] if args.quick else list(DTYPES))
-        rows += bench_gemv(sizes, dtypes, ceiling, pdl_ok, {"float16"})
+        rows += bench_gemv(sizes, dtypes, ceiling, pdl_ok, {"float16"}, args.gemv_batches)
     summaries = []
     if not args.skip_profile:
-        if args.quick:
+        if args.steps:
+            cases = [(c.split(":")[0], c.split(":")[1], int(c.split(":")[2])) for c in args.steps]
+        elif args.quick:
             cases = [("gpt2", "float16", 1), ("gpt2", "float16", 8)]
         else:
             cases = [(size, dtype, b) for size in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")

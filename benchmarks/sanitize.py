@@ -59,17 +59,25 @@ def main():
                 for splits in (1, 3):
                     K.decode_attention(q8, kq, vq, cp.asarray([T + 5, T], dtype=np.int32), num_splits=splits,
                                        alibi_slopes=cp.full(8, 0.25, np.float32), **sc)
-        for B, N, Kd in ((1, 100, 64), (5, 33, 781), (3, 300, 1600), (11, 70, 768)):  # ragged rows, passes
+        for B, N, Kd in ((1, 100, 64), (5, 33, 781), (3, 300, 1600), (11, 70, 768), (20, 40, 776), (70, 33, 72)):
             x, wt, bias = r(B, Kd, dtype=dtype), r(N, Kd, dtype=dtype), r(N, dtype=dtype)
-            ln = (r(Kd, dtype=dtype), r(Kd, dtype=dtype), 1e-5)
-            for tile in K.linear_tiles():
+            ln = (r(Kd, dtype=dtype), r(Kd, dtype=dtype), 1e-5)  # ragged rows, passes, LayerNorm ahead (B > 16)
+            mma = np.dtype(dtype).itemsize == 2 and Kd % 8 == 0
+            for tile in K.linear_tiles(dtype if mma else np.float32):
+                wide = {"warps": 3} if mma else {"warps": 8}
                 K.linear(x, wt, bias, gelu=True, tile=tile)
-                K.linear(x, wt, bias, ln=ln, tile=tile, warps=8)
+                K.linear(x, wt, bias, ln=ln, tile=tile, **wide)
                 res = r(B, N, dtype=dtype)
                 K.linear(x, wt, bias, residual=res, out=res, tile=tile)
                 K.linear(x, wt, ln=ln, out_dtype=np.float32, tile=tile)
                 K.linear_argmax(x, wt, bias, ln=ln, logits=cp.empty((B, N), np.float32), tile=tile)
-                K.linear_argmax(x, wt, tile=tile, warps=8)
+                K.linear_argmax(x, wt, tile=tile, **wide)
+            H, D = 2, Kd // 6 if Kd % 6 == 0 else 0
+            if D:  # the q|k|v product into a cache
+                kc, vc = r(B, H, 9, D, dtype=dtype), r(B, H, 9, D, dtype=dtype)
+                K.linear(x, r(3 * H * D, Kd, dtype=dtype), ln=ln, kv_cache={
+                    "k_cache": kc, "v_cache": vc, "positions": cp.arange(B, dtype=np.int32) % 9,
+                    "seq_lens": cp.zeros(B, dtype=np.int32)})
         logits = r(3, 50257, dtype=dtype)
         K.argmax(logits)
         K.sample(logits, seed=1, offset=0, temperature=0.9, top_k=40, top_p=0.9)

@@ -1,5 +1,7 @@
-// linear.cu - y = x W^T + bias for a few rows of x: the decode step's matrix-vector
-// products and the LM head, with the neighbouring element-wise work fused in.
+// linear.cu - y = x W^T + bias for a few to a few hundred rows of x: the decode step's
+// products and the LM head, with the neighbouring element-wise work fused in. Two kernels:
+// linear_kernel on CUDA cores (float32, and 16-bit rows that are not 16-byte vectors), and
+// linear_mma_kernel on tensor cores (float16 / bfloat16), after the first; same epilogues.
 //
 //   xn        = LN ? layernorm(x; ln_w, ln_b, eps) rounded to T : x          (prologue)
 //   s[b, n]   = sum_k xn[b, k] W[n, k]                                        W: (out, in)
@@ -10,7 +12,7 @@
 //   ARGMAX    y = s + bias (float logits, optional) and, per block and row of x, the largest
 //             value and its first index (argmax_partials_kernel in sampling.cu finishes)
 //
-// Mapping: a warp owns RW consecutive rows of W at a time (blocks of 4 or 8 warps; a warp
+// linear_kernel. Mapping: a warp owns RW consecutive rows of W at a time (blocks of 4 or 8 warps; a warp
 // walks further row groups when the grid has fewer warps than groups). Each lane loads U
 // 16-byte chunks of each of its RW rows before it uses the first (RW * U loads in flight
 // per lane, through the non-coherent path without L1 allocation: every weight byte is read
@@ -32,12 +34,14 @@
 // bandwidth bound for a few rows. Used inside the decode step instead of cuBLAS, which cannot
 // run in a captured CUDA graph.
 //
-// Specializations: T in {float, __half, __nv_bfloat16} x OutT in {T, float} x VEC in
-// {1, 16/sizeof(T)} x (RW, U) tiles x BR in {1, 4} x LN x EPI (cupy_kernels/linear.py,
-// where the tile each weight shape gets is chosen, with the measurements behind it).
+// Specializations: linear_kernel: T in {float, __half, __nv_bfloat16} x OutT in {T, float}
+// x VEC (1, and 4 for float) x (RW, U) tiles x BR in {1, 4} x LN x EPI; linear_mma_kernel:
+// T in {__half, __nv_bfloat16} x OutT x NT n-tiles x U x LN x EPI; ln_rows_kernel: T
+// (cupy_kernels/linear.py, where each launch shape is chosen, with the measurements behind it).
 // Wrapper: cupy_kernels/linear.py   Tests: tests/test_kernels_gpu.py
 // Benchmark: benchmarks/decode_step.py (every GPT-2 weight shape, each tile)
 #include "common.cuh"
+#include "mma.cuh"
 
 using namespace g2c;
 
@@ -92,6 +96,18 @@ __device__ __forceinline__ void store_row(float* p, const float (&v)[VEC]) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) p[e] = v[e];
     }
+}
+
+// Output n of a fused q|k|v row [3 C] of sequence b: a key or value column goes into the
+// cache [B, H, S_max, D] at row pos (a query column: nothing).
+template <typename T>
+__device__ __forceinline__ void store_kv_column(T* __restrict__ k_cache, T* __restrict__ v_cache, T v, int n, int N,
+                                                int H, int S_max, int b, int pos) {
+    const int C = N / 3;
+    if (n < C) return;
+    const int c = n < 2 * C ? n - C : n - 2 * C;
+    const int D = C / H, h = c / D, d = c - h * D;
+    (n < 2 * C ? k_cache : v_cache)[((static_cast<long long>(b) * H + h) * S_max + pos) * D + d] = v;
 }
 
 // (value, index) a strictly larger value, or an equal one at a smaller index, replaces.
@@ -381,13 +397,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 1)  // (without the 1, ptxas c
                         const T v = from_float<T>(sum + bn[r]);
                         if (mine) {
                             y[o] = v;
-                            const int C = N / 3;
-                            if (n >= C) {  // a key or value column: into the cache at the position
-                                const int c = n < 2 * C ? n - C : n - 2 * C;
-                                const int D = C / H, h = c / D, d = c - h * D;
-                                T* cache = n < 2 * C ? k_cache : v_cache;
-                                cache[((static_cast<long long>(b0 + b) * H + h) * S_max + pos[b]) * D + d] = v;
-                            }
+                            store_kv_column(k_cache, v_cache, v, n, N, H, S_max, b0 + b, pos[b]);
                         }
                     } else {  // ARGMAX
                         const float v = sum + bn[r];
@@ -421,4 +431,270 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 1)  // (without the 1, ptxas c
             }
         }
     }
+}
+
+// =======================================================================================
+// Tensor cores: T = __half / __nv_bfloat16, K a multiple of 8, 16-byte aligned rows.
+//
+//   s[n, b] = sum_k W[n, k] xn[b, k] on mma.sync.m16n8k16, float32 accumulation: W is the
+//   A operand (a tile of 16 rows of W), x the B operand (an "n-tile" of 8 rows of x).
+//
+// A chunk is 32 columns of K. Lane (g, t) = (lane / 4, lane % 4) loads 16 bytes of W rows
+// m0 + g and m0 + g + 8, and of x row g, at columns 32 c + 8 t .. + 7. The chunk's columns
+// are taken in a permuted order: fragment columns 2t, 2t+1, 2t+8, 2t+9 of the chunk's first
+// mma are memory columns 8t .. 8t+3, those of the second 8t+4 .. 8t+7. Each 16-byte load
+// is then two registers of each of two mma fragments (mma.cuh has the layouts): W goes from
+// memory to the tensor cores without shuffles or shared memory, and one load instruction
+// of the warp covers 8 rows x 64 contiguous bytes. At batch 1 seven of the eight columns
+// of each mma are zeros; the tensor cores have the time (2 mma per 1 KB of W read).
+//
+// Block (blockIdx.x, blockIdx.y): KW warps on one tile of 16 rows of W and NT n-tiles of x
+// (rows blockIdx.y * 8 NT ..; each tile of W is read once per block row, from L2 after the
+// first); warp w takes chunks w, w + KW, w + 2 KW, ...
+// in increasing order (together the warps sweep each row front to back), in batches of U
+// chunks (2 U loads of W and U NT of x in flight per lane; the next batch once these are
+// used). The
+// warps' float32 partial tiles then meet in shared memory and are added in warp order.
+// KW is a function of K alone (the wrapper), so an output's bits depend on K alone: not on
+// the batch, the row's place in its n-tile, the n-tiles per block (NT) or the grid. A
+// sequence gets the same numbers alone and in any batch.
+//
+// LayerNorm prologue: warp b normalizes row b of x (rows b + KW, ... too) into shared
+// memory as T, ln_row below, which ln_rows_kernel also runs: for batches past what the
+// prologue holds, the wrapper normalizes once with ln_rows_kernel and runs the product on
+// the result, with the same bits.
+// =======================================================================================
+namespace {
+constexpr int MMA_MAX_WARPS = 8;
+constexpr int RED_STRIDE = 20;  // floats a column of a warp's partial tile takes in shared memory
+                                // (16 rows + 4: a fragment's 32 stores hit 32 distinct banks)
+constexpr int LN_VECS = 4;      // 16-byte vectors of a LayerNorm row a lane loads at once
+
+// Blocks an SM holds at once (registers per thread <= 65536 / (256 x this)): 4 (64 registers)
+// for U <= 4 chunks a batch, 2 (128) for U = 8, 3 (80) with the LayerNorm prologue at U = 4,
+// which runs with NT = 2 (ptxas spilled NT = 1 at 80 registers, and NT = 2 at 64).
+// (Tuned on the H100; before sm_90, ptxas spilled at 64 registers: 2 there, as for U = 8.)
+template <int U, bool LN> constexpr int mma_min_blocks() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    return 2;
+#else
+    return U > 4 ? 2 : LN ? 3 : 4;
+#endif
+}
+
+// LayerNorm of one row of K values (K % 8 == 0) by one warp, into dst as T (lw, lb: the
+// parameters, in global or shared memory). The raw row is
+// staged in `stage` (shared memory; dst may be the same place: each lane rewrites only the
+// vectors it staged). Two passes, mean then variance, as layernorm.cu; lane l sums vectors
+// l, l + 32, ... in order, then a shuffle tree, and the arithmetic is pinned (no contraction
+// left to the compiler), so a row gets the same bits in every kernel that calls this.
+template <typename T>
+__device__ __forceinline__ void ln_row(T* dst, T* stage, const T* xr, const T* lw, const T* lb, float eps, int K,
+                                       int lane) {
+    const int nv = K / 8;
+    float s = 0.0f;
+    for (int i0 = 0; i0 < nv; i0 += 32 * LN_VECS) {  // loads first: every vector of the round in flight
+        uint4 v[LN_VECS];
+#pragma unroll
+        for (int j = 0; j < LN_VECS; ++j) {
+            const int i = i0 + lane + 32 * j;
+            if (i < nv) v[j] = *reinterpret_cast<const uint4*>(xr + i * 8);
+        }
+#pragma unroll
+        for (int j = 0; j < LN_VECS; ++j) {
+            const int i = i0 + lane + 32 * j;
+            if (i < nv) {
+                *reinterpret_cast<uint4*>(stage + i * 8) = v[j];
+                const T* e = reinterpret_cast<const T*>(&v[j]);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) s = __fadd_rn(s, to_float(e[k]));
+            }
+        }
+    }
+    const float mean = __fdiv_rn(warp_sum(s), static_cast<float>(K));
+    float q = 0.0f;
+    for (int i = lane; i < nv; i += 32) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(stage + i * 8);
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float d = __fsub_rn(to_float(e[k]), mean);
+            q = __fmaf_rn(d, d, q);
+        }
+    }
+    const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(warp_sum(q), static_cast<float>(K)), eps));
+    for (int i = lane; i < nv; i += 32) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(stage + i * 8);
+        const uint4 gw = *reinterpret_cast<const uint4*>(lw + i * 8);
+        const uint4 gb = *reinterpret_cast<const uint4*>(lb + i * 8);
+        const T *e = reinterpret_cast<const T*>(&raw), *w = reinterpret_cast<const T*>(&gw),
+                *b = reinterpret_cast<const T*>(&gb);
+        uint4 o;
+        T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+            oe[k] = from_float<T>(__fmaf_rn(__fmul_rn(__fsub_rn(to_float(e[k]), mean), rstd), to_float(w[k]),
+                                            to_float(b[k])));
+        *reinterpret_cast<uint4*>(dst + i * 8) = o;
+    }
+}
+}  // namespace
+
+template <typename T, typename OutT, int NT, int U, bool LN, int EPI>
+__global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<U, LN>())
+    linear_mma_kernel(OutT* y, const T* x, const T* __restrict__ W, const T* __restrict__ bias,
+                      const T* __restrict__ ln_w, const T* __restrict__ ln_b, float eps, const T* res,
+                      float* __restrict__ part_val, int* __restrict__ part_idx, T* __restrict__ k_cache,
+                      T* __restrict__ v_cache, const int* __restrict__ positions, int* __restrict__ seq_lens, int H,
+                      int S_max, int B, int N, int K, int xs_stride) {
+    constexpr int COLS = 8 * NT;  // rows of x per block
+    extern __shared__ float4 smem4[];
+    const int KW = blockDim.x >> 5;
+    float* red = reinterpret_cast<float*>(smem4);                 // [KW][COLS][RED_STRIDE] partial tiles
+    T* xs = reinterpret_cast<T*>(red + KW * COLS * RED_STRIDE);  // LN: [B][xs_stride] normalized rows
+    T* lnp = xs + B * xs_stride;                                  // LN: [2][K] its weight and bias
+    __shared__ float s_bias[16];
+    __shared__ float s_out[COLS][16];  // ARGMAX: the block's values
+    griddep_launch_dependents();
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int m0 = blockIdx.x * 16, b0 = blockIdx.y * COLS;  // the block's 16 rows of W, COLS rows of x
+    const int n_chunks = (K + 31) / 32;
+    const int my_chunks = warp < n_chunks ? (n_chunks - 1 - warp) / KW + 1 : 0;
+    const bool row_a = m0 + g < N, row_b = m0 + g + 8 < N;
+    const T* wa_p = W + static_cast<long long>(row_a ? m0 + g : 0) * K + 8 * t;
+    const T* wb_p = W + static_cast<long long>(row_b ? m0 + g + 8 : 0) * K + 8 * t;
+
+    uint4 wa[U], wb[U];  // this batch's chunks of rows g and g + 8
+    auto load_w = [&](int j0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = j0 + u, col = 32 * (warp + j * KW);
+            const bool ok = j < my_chunks && col + 8 * t < K;
+            wa[u] = ok && row_a ? load_stream16(wa_p + col) : make_uint4(0, 0, 0, 0);
+            wb[u] = ok && row_b ? load_stream16(wb_p + col) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    // before the wait: only what no kernel of the step writes (weights, bias, LN parameters)
+    load_w(0);
+    if (threadIdx.x < 16) s_bias[threadIdx.x] = bias != nullptr && m0 + threadIdx.x < N ? to_float(bias[m0 + threadIdx.x]) : 0.0f;
+    if constexpr (LN) {  // into shared memory, without registers: one L2 round trip less after the wait
+        for (int i = threadIdx.x; i < K / 8; i += blockDim.x) {
+            cp_async_16(smem_addr(lnp + 8 * i), ln_w + 8 * i, 16);
+            cp_async_16(smem_addr(lnp + K + 8 * i), ln_b + 8 * i, 16);
+        }
+        cp_async_commit();
+    }
+    griddep_wait();  // x, res, positions: the previous kernels' work
+
+    if constexpr (LN) {  // the wrapper takes this path only for B <= COLS: one block row
+        cp_async_wait<0>();
+        __syncthreads();
+#pragma unroll 1
+        for (int b = warp; b < B; b += KW)
+            ln_row(xs + b * xs_stride, xs + b * xs_stride, x + static_cast<long long>(b) * K, lnp, lnp + K, eps, K, lane);
+        __syncthreads();
+    }
+
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    for (int j0 = 0; j0 < my_chunks; j0 += U) {
+        uint4 xv[U][NT];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int col = 32 * (warp + (j0 + u) * KW) + 8 * t;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int b = b0 + nt * 8 + g;
+                xv[u][nt] = make_uint4(0, 0, 0, 0);
+                if (j0 + u < my_chunks && b < B && col < K) {
+                    if constexpr (LN) {
+                        xv[u][nt] = *reinterpret_cast<const uint4*>(xs + b * xs_stride + col);
+                    } else {
+                        xv[u][nt] = *reinterpret_cast<const uint4*>(x + static_cast<long long>(b) * K + col);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const unsigned a0[4] = {wa[u].x, wb[u].x, wa[u].y, wb[u].y};  // memory columns 8t .. 8t+3
+            const unsigned a1[4] = {wa[u].z, wb[u].z, wa[u].w, wb[u].w};  // 8t+4 .. 8t+7
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                mma_m16n8k16<T>(acc[nt], a0, xv[u][nt].x, xv[u][nt].y);
+                mma_m16n8k16<T>(acc[nt], a1, xv[u][nt].z, xv[u][nt].w);
+            }
+        }
+        if (j0 + U < my_chunks) load_w(j0 + U);
+    }
+    // partial tiles to shared memory: c[0], c[1] are row g, columns 2t, 2t+1; c[2], c[3] row g + 8
+    float* mine = red + warp * COLS * RED_STRIDE;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int c = nt * 8 + 2 * t;
+        mine[c * RED_STRIDE + g] = acc[nt][0];
+        mine[(c + 1) * RED_STRIDE + g] = acc[nt][1];
+        mine[c * RED_STRIDE + g + 8] = acc[nt][2];
+        mine[(c + 1) * RED_STRIDE + g + 8] = acc[nt][3];
+    }
+    __syncthreads();
+    // the epilogue: thread o -> row r = o % 16 of the tile, row b0 + o / 16 of x
+    const int nb = min(COLS, B - b0);
+    for (int o = threadIdx.x; o < 16 * nb; o += blockDim.x) {
+        const int r = o & 15, bl = o >> 4, n = m0 + r, b = b0 + bl;
+        float s = 0.0f;
+        for (int w = 0; w < KW; ++w) s += red[(w * COLS + bl) * RED_STRIDE + r];  // in warp order
+        if (n >= N) {
+            if constexpr (EPI == ARGMAX) s_out[bl][r] = 0.0f;
+            continue;
+        }
+        const long long at = static_cast<long long>(b) * N + n;
+        const float bn = s_bias[r];
+        if constexpr (EPI == STORE) {
+            y[at] = from_float<OutT>(s + bn);
+        } else if constexpr (EPI == GELU) {
+            y[at] = from_float<OutT>(gelu_tanh(s + bn));
+        } else if constexpr (EPI == RESIDUAL) {
+            y[at] = from_float<OutT>(to_float(res[at]) + to_float(from_float<T>(s)) + bn);
+        } else if constexpr (EPI == QKV_CACHE) {
+            const T v = from_float<T>(s + bn);
+            y[at] = v;
+            store_kv_column(k_cache, v_cache, v, n, N, H, S_max, b, positions[b]);
+        } else {  // ARGMAX
+            const float v = s + bn;
+            if (y != nullptr) y[at] = from_float<OutT>(v);
+            s_out[bl][r] = v;
+        }
+    }
+    if constexpr (EPI == ARGMAX) {
+        __syncthreads();
+        if (threadIdx.x < nb) {
+            const int bl = threadIdx.x;
+            float v = -INFINITY;
+            int idx = -1;
+            for (int r = 0; r < 16 && m0 + r < N; ++r) keep_max(v, idx, s_out[bl][r], m0 + r);
+            part_val[static_cast<long long>(b0 + bl) * gridDim.x + blockIdx.x] = v;
+            part_idx[static_cast<long long>(b0 + bl) * gridDim.x + blockIdx.x] = idx;
+        }
+    }
+    if constexpr (EPI == QKV_CACHE) {
+        if (blockIdx.x == 0 && threadIdx.x < COLS && b0 + threadIdx.x < B)
+            seq_lens[b0 + threadIdx.x] = positions[b0 + threadIdx.x] + 1;
+    }
+}
+
+// LayerNorm of B rows into out [B, K] as T, one warp a row (ln_row: the bits of
+// linear_mma_kernel's prologue), for the batches whose rows the prologue does not hold.
+template <typename T>
+__global__ void ln_rows_kernel(T* out, const T* x, const T* __restrict__ ln_w, const T* __restrict__ ln_b, float eps,
+                               int B, int K) {
+    extern __shared__ float4 smem4[];
+    griddep_launch_dependents();
+    griddep_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int b = blockIdx.x * (blockDim.x >> 5) + warp;
+    T* stage = reinterpret_cast<T*>(smem4) + warp * K;
+    if (b < B) ln_row(out + static_cast<long long>(b) * K, stage, x + static_cast<long long>(b) * K, ln_w, ln_b, eps, K, lane);
 }

@@ -106,3 +106,28 @@ def test_decode_step_kernels_are_declared_for_programmatic_launch():
     for source in ("linear.cu", "embedding.cu", "kv_cache.cu", "decode_attention.cu"):
         text = _build.source_text(source)
         assert text.count("griddep_wait();") >= 1, source
+
+
+@pytest.mark.parametrize("sms,smem", [(132, 232448), (108, 166912), (84, 101376)])  # H100, A100, sm_86
+def test_every_tensor_core_launch_shape_is_declared(sms, smem):
+    """The wrapper's choice of n-tiles, loads per batch and LayerNorm placement names a
+    declared specialization for every size it may meet (tensor cores: K % 8 == 0)."""
+    import importlib
+
+    lin = importlib.import_module("cupy_kernels.linear")
+    declared = set(_build.declared()["linear.cu"])
+    epis = [("__half", "store"), ("__half", "gelu"), ("__half", "residual"), ("__half", "qkv_cache"),
+            ("float", "store"), ("float", "argmax")]
+    for B in [*range(1, 21), 33, 64, 65, 100, 255, 256]:
+        for N in (37, 768, 2304, 3072, 4800, 6400, 50257):
+            for K in (8, 72, 768, 776, 1600, 3072, 6400):
+                for tile in (None, *lin.MMA_TILES):
+                    for ln in (False, True):
+                        nt, u, kw, prologue, smem_bytes, _ = lin._mma_plan(B, N, K, ln, tile, None, sms, smem)
+                        assert 1 <= kw <= lin.MMA_MAX_WARPS and smem_bytes <= smem
+                        assert not prologue or B <= 8 * nt
+                        for out, epi in epis:
+                            if epi == "residual" and out == "float" or (ln and epi == "residual"):
+                                continue
+                            name = lin._mma_name("__half", out if out == "float" else "__half", nt, u, prologue, epi)
+                            assert name in declared, (B, N, K, tile, ln, name)

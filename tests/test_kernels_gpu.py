@@ -11,7 +11,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled")]
 
 cp = pytest.importorskip("cupy")
 import cupy_kernels as K  # noqa: E402
-from cupy_kernels import _build  # noqa: E402
 from cupy_kernels import reference as ref  # noqa: E402
 from gpu_util import DTYPES, check, poisoned, rand  # noqa: E402
 
@@ -146,6 +145,9 @@ LINEAR_CASES = [  # (B, N, K, variant): GPT-2 small / XL decode shapes, batches,
     (1, 50257, 768, "ln_logits"), (1, 4800, 1600, "ln"), (1, 1600, 6400, "residual"), (1, 6400, 1600, "ln_gelu"),
     (3, 2304, 768, "ln"), (5, 3072, 768, "gelu"), (8, 768, 3072, "residual"), (2, 50257, 768, "logits"),
     (9, 37, 781, "ln_gelu"), (17, 129, 1600, "residual"), (4, 1000, 768, "store"), (7, 101, 72, "ln_logits"),
+    # batches: passes of 64 rows of x, the LayerNorm ahead of the product past 16 rows
+    (17, 2304, 768, "ln"), (64, 3072, 768, "ln_gelu"), (255, 768, 3072, "residual"), (33, 1000, 1600, "ln_logits"),
+    (100, 200, 776, "gelu"),
 ]
 
 
@@ -200,27 +202,33 @@ def test_linear_residual_in_place(dtype):
     check(res, expect, dtype)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_every_tile_gives_the_same_bits(dtype):
-    """Each lane visits its columns in increasing order whatever the tile, so every tile
-    (and every batch size) computes the same bits; the LayerNorm's sums follow the block
-    width, which the shape alone fixes."""
+    """Every launch shape computes the same bits: on CUDA cores each lane visits its columns
+    in increasing order whatever the tile (the LayerNorm's sums follow the block width, which
+    the shape alone fixes); on tensor cores each warp chains its chunks in order whatever the
+    rows of x per pass, and the LayerNorm gives the same bits in the prologue and ahead of it."""
     rng = np.random.default_rng(11)
-    x, w, b, kw, expect = _linear_case(rng, 5, 1000, 1600, "ln_gelu", dtype)
-    for warps in (4, 8):
-        outs = []
-        for tile in K.linear_tiles():
-            out = poisoned((5, 1000), dtype)
-            K.linear(x, w, b, tile=tile, warps=warps, out=out, **kw)
-            check(out, expect, dtype)
-            outs.append(out)
-        assert all(cp.array_equal(o, outs[0]) for o in outs[1:])
-    plain = [K.linear(x, w, b, tile=tile, warps=warps) for tile in K.linear_tiles() for warps in (4, 8)]
+    x, w, b, kw, expect = _linear_case(rng, 21, 1000, 1600, "ln_gelu", dtype)
+    mma = np.dtype(dtype).itemsize == 2
+    shapes = ([{"tile": t} for t in K.linear_tiles(dtype)] if mma else
+              [{"tile": t, "warps": wp} for t in K.linear_tiles(dtype) for wp in (4, 8)])
+    outs = []
+    for shape in shapes:
+        out = poisoned((21, 1000), dtype)
+        K.linear(x, w, b, out=out, **shape, **kw)
+        check(out, expect, dtype)
+        outs.append(out)
+    assert all(cp.array_equal(o, outs[0]) for o in outs[1:])
+    # a row alone (LayerNorm in the prologue) and in batches of every size (ahead of it past 16 rows)
+    for rows in (slice(20, 21), slice(14, 21), slice(0, 21)):
+        assert cp.array_equal(K.linear(x[rows], w, b, **kw)[-1], outs[0][20])
+    plain = [K.linear(x, w, b, **shape) for shape in shapes]
     assert all(cp.array_equal(o, plain[0]) for o in plain[1:])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("B,H,D,S_max", [(1, 12, 64, 40), (3, 25, 64, 7), (9, 2, 128, 5)])
+@pytest.mark.parametrize("B,H,D,S_max", [(1, 12, 64, 40), (3, 25, 64, 7), (9, 2, 128, 5), (20, 12, 64, 9)])
 def test_linear_qkv_into_the_cache(B, H, D, S_max, dtype):
     """kv_cache=: the q|k|v product as usual, and its k, v parts in the caches at each row's
     position, as kv_append would put them; seq_lens = positions + 1; other rows untouched."""
@@ -260,19 +268,21 @@ def test_linear_argmax(B, N, K_, ln, dtype):
     assert cp.array_equal(K.linear_argmax(x[B - 1:], w, b, **kw)[0], tokens[B - 1])
 
 
-@pytest.mark.parametrize("warps", [4, 8])
-def test_linear_argmax_ties_keep_the_first_index(warps):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=str)
+def test_linear_argmax_ties_keep_the_first_index(dtype):
     """Equal logits in many blocks: the smallest index wins, as numpy's argmax."""
     rng = np.random.default_rng(3)
     N, K_ = 5000, 768
-    base = rng.standard_normal((7, K_)).astype(np.float32)
+    base = rng.standard_normal((7, K_)).astype(dtype)
     w = cp.asarray(base[np.arange(N) % 7])  # row n repeats row n % 7
-    x = cp.asarray(rng.standard_normal((4, K_)).astype(np.float32))
-    for tile in K.linear_tiles():
-        got = K.linear_argmax(x, w, tile=tile, warps=warps).get()
-        with_logits = K.linear_argmax(x, w, tile=tile, warps=warps, logits=cp.empty((4, N), np.float32))
+    x = cp.asarray(rng.standard_normal((4, K_)).astype(dtype))
+    shapes = ([{"tile": t} for t in K.linear_tiles(dtype)] if np.dtype(dtype).itemsize == 2 else
+              [{"tile": t, "warps": wp} for t in K.linear_tiles(dtype) for wp in (4, 8)])
+    for shape in shapes:
+        got = K.linear_argmax(x, w, **shape).get()
+        with_logits = K.linear_argmax(x, w, **shape, logits=cp.empty((4, N), np.float32))
         assert got.tolist() == with_logits.get().tolist()
-        logits = K.linear(x, w).get()
+        logits = K.linear(x, w, out_dtype=np.float32).get()
         assert got.tolist() == np.argmax(logits, axis=1).tolist()
         assert (got < 7).all()
 
@@ -317,6 +327,11 @@ def test_linear_bad_inputs_raise():
         K.linear(x, w, warps=5)
     with pytest.raises(TypeError, match="out_dtype"):
         K.linear(x.astype(np.float16), w.astype(np.float16), out_dtype=np.float64)
+    xh, wh = x.astype(np.float16), w.astype(np.float16)
+    with pytest.raises(ValueError, match="tile"):  # tensor cores take n-tiles per pass
+        K.linear(xh, wh, tile=(2, 4))
+    with pytest.raises(ValueError, match="warps"):
+        K.linear(xh, wh, warps=9)
     with pytest.raises(TypeError, match="logits"):
         K.linear_argmax(x, w, logits=cp.empty((2, 10), np.float16))
     with pytest.raises(ValueError, match="out"):
