@@ -1,13 +1,21 @@
-"""End to end: 512 new tokens from "Hello, I'm a language model," (greedy, batch 1), this
-library against transformers (eager, sdpa, and sdpa with a static cache and torch.compile),
-in one run. Random weights at the real sizes (the speed is that of the real weights).
-Wall-clock time of the whole generate call, prefill included; CUDA-graph rows also give
-the share of the weight-read roofline (weight bytes / copy bandwidth of the same run).
+"""End to end: 512 new tokens from "Hello, I'm a language model," (greedy, batch 1, and
+batches of the same prompt), this library against transformers (eager, sdpa, and sdpa with
+a static cache and torch.compile), in one run. Random weights at the real sizes (the speed
+is that of the real weights). Wall-clock time of the whole generate call, prefill included.
+CUDA-graph rows also give the share of the weight-read roofline (weight bytes / copy
+bandwidth of the same run: ``pct_roofline``) and of the floor with the cache (a step reads
+the weights once and each row's cache at its mean length over the call: ``pct_floor``).
 Rows ``ours-one-token``: a warm call that makes one token, beside the prefill alone.
 
-    python -m benchmarks.e2e [--new-tokens 512] [--quick]
+    python -m benchmarks.e2e [--new-tokens 512] [--quick] [--batches 8 64 256]
+    python -m benchmarks.e2e --workload 1000
 
-Writes benchmarks/results/e2e-<device>.json and prints a table.
+Writes benchmarks/results/e2e-<device>.json and prints a table. ``--workload N``: N prompts
+drawn with a fixed seed (4-512 tokens, max_new_tokens 16-512 each, end-of-text enabled),
+GPT-2 small float16, this library's continuous batching against transformers in padded
+batches of 64, total new tokens / wall seconds, beside the floor (weights once a step at
+full slots, and each token's cache rows, at the copy bandwidth of the run); and 16 prompts
+of 500 tokens prefilled on GPT-2 XL. Into benchmarks/results/e2e_workload-<device>.json.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import gc
 import time
 
 import cupy
+import numpy
 import torch
 import transformers
 
@@ -54,9 +63,9 @@ def timed(fn, repeats: int) -> float:
     return best
 
 
-def run_hf(size, dtype, attn, cache, repeats):
+def run_hf(size, dtype, attn, cache, repeats, batch=1):
     hf = hf_model(size, getattr(torch, dtype), attn)
-    ids = torch.tensor([PROMPT], device="cuda")
+    ids = torch.tensor([PROMPT] * batch, device="cuda")
 
     def fn(warm):
         with torch.no_grad():
@@ -105,11 +114,13 @@ def ours_model(size, dtype, model_cache={}):
     return model_cache[key]
 
 
-def run_ours(size, dtype, cache, graph, repeats):
+def run_ours(size, dtype, cache, graph, repeats, batch=1):
     model = ours_model(size, dtype)
+    prompts = [PROMPT] * batch if batch > 1 else PROMPT
 
     def fn(warm):
-        return len(model.generate(PROMPT, 8 if warm else NEW, use_cache=cache, cuda_graph=graph))
+        out = model.generate(prompts, 8 if warm else NEW, use_cache=cache, cuda_graph=graph)
+        return len(out[0] if batch > 1 else out)
 
     return timed(fn, repeats)
 
@@ -138,17 +149,101 @@ def one_token(size, dtype, repeats: int = 20) -> dict:
             "beyond_prefill_ms": round((call - prefill) * 1e3, 3)}
 
 
+def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """n prompts of 4-512 random tokens, each with its own max_new_tokens of 16-512."""
+    rng = numpy.random.default_rng(seed)
+    lens, news = rng.integers(4, 513, n), rng.integers(16, 513, n)
+    return [rng.integers(0, 50256, int(k)).tolist() for k in lens], [int(m) for m in news]
+
+
+def run_workload(n: int, ceiling_GBps: float, slots=(64, 256), hf_batch: int = 64) -> list[dict]:
+    """The throughput workload: continuous batching against transformers in padded batches
+    of ``hf_batch`` (each batch runs to its longest max_new_tokens; only the tokens a prompt
+    asked for, up to end-of-text, count), GPT-2 small float16, end-of-text enabled."""
+    prompts, news = workload(n)
+    eos = 50256
+    rows = []
+    model = ours_model("gpt2", "float16")
+    cfg = model.config
+    row_kv = 2 * cfg.n_layer * cfg.n_embd * model.dtype.itemsize  # cache bytes a token reads per cached row
+    base = {"bench": "e2e_workload", "model": "gpt2", "dtype": "float16", "prompts": n, "new_tokens_asked": sum(news)}
+    model.generate(prompts[:8], [4] * 8, max_batch=4, eos_token_id=eos)  # warm-up: sessions, kernels
+    for b in slots:
+        cupy.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        out = model.generate(prompts, news, max_batch=b, eos_token_id=eos, progress=False)
+        cupy.cuda.runtime.deviceSynchronize()
+        s = time.perf_counter() - t0
+        made = [len(o) - len(p) for o, p in zip(out, prompts)]
+        kv = sum(row_kv * sum(range(len(p), len(p) + m)) for p, m in zip(prompts, made))
+        floor_s = (-(-sum(made) // b) * decode_weight_bytes(model) + kv) / (ceiling_GBps * 1e9)
+        rows.append({**base, "impl": "ours-continuous", "batch": b, "seconds": round(s, 3), "tokens": sum(made),
+                     "tok_s": round(sum(made) / s, 1), "floor_tok_s": round(sum(made) / floor_s, 1),
+                     "pct_floor": round(100 * floor_s / s, 1)})
+        print(rows[-1], flush=True)
+    hf = hf_model("gpt2", torch.float16, "sdpa")
+    made, t0 = 0, time.perf_counter()
+    for i in range(0, n, hf_batch):
+        batch, want = prompts[i:i + hf_batch], news[i:i + hf_batch]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[eos] * (width - len(p)) + p for p in batch], device="cuda")  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device="cuda")
+        with torch.no_grad():
+            gen = hf.generate(ids, attention_mask=mask, max_new_tokens=max(want), do_sample=False,
+                              eos_token_id=eos, pad_token_id=eos)[:, width:].tolist()
+        for g, m in zip(gen, want):
+            g = g[:m]
+            made += g.index(eos) + 1 if eos in g else len(g)
+    torch.cuda.synchronize()
+    s = time.perf_counter() - t0
+    rows.append({**base, "impl": "transformers-sdpa-padded", "batch": hf_batch, "seconds": round(s, 3),
+                 "tokens": made, "tok_s": round(made / s, 1)})
+    print(rows[-1], flush=True)
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_xl(repeats: int = 3) -> dict:
+    """16 prompts of 500 tokens on GPT-2 XL float16: a warm generate call that makes one
+    token each (the prefills and their first tokens)."""
+    model = ours_model("gpt2-xl", "float16")
+    prompts = [numpy.random.default_rng(i).integers(0, 50256, 500).tolist() for i in range(16)]
+    model.generate(prompts, 1, max_batch=16)
+    best = float("inf")
+    for _ in range(repeats):
+        cupy.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        model.generate(prompts, 1, max_batch=16)
+        cupy.cuda.runtime.deviceSynchronize()
+        best = min(best, time.perf_counter() - t0)
+    return {"bench": "e2e_workload", "impl": "ours-prefill", "model": "gpt2-xl", "dtype": "float16", "batch": 16,
+            "prompt_tokens": 500, "seconds": round(best, 4)}
+
+
 def main():
     global NEW
     p = argparse.ArgumentParser()
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="GPT-2 small only")
+    p.add_argument("--batches", nargs="*", type=int, default=[8, 64, 256],
+                   help="batch sizes of the batched rows (the same prompt in every row)")
+    p.add_argument("--workload", type=int, metavar="N",
+                   help="only the throughput workload of N prompts (and the GPT-2 XL prefill row), "
+                        "into e2e_workload-<device>.json")
     args = p.parse_args()
     NEW = args.new_tokens
     print(banner())
     ceilings = {"copy_GBps": round(copy_ceiling_GBps(), 1)}
-    cases = [  # (impl, model, dtype, cache, graph)
+    if args.workload:
+        rows = run_workload(args.workload, ceilings["copy_GBps"])
+        rows.append(prefill_xl())
+        print(rows[-1])
+        print(f"wrote {write_results('e2e_workload', rows, ceilings)}")
+        return
+    cases = [  # (impl, model, dtype, cache, graph[, batch])
         ("transformers-eager", "gpt2", "float32", False, False),
         ("transformers-sdpa", "gpt2", "float32", False, False),
         ("transformers-sdpa", "gpt2", "float32", True, False),
@@ -168,14 +263,26 @@ def main():
             ("ours", "gpt2-xl", "float16", True, True),
         ]
     cases.insert(4, ("transformers-compile", "gpt2", "float16", True, False))
+    for b in args.batches:
+        cases += [("transformers-sdpa", "gpt2", "float16", True, False, b), ("ours", "gpt2", "float16", True, True, b),
+                  ("ours", "gpt2", "bfloat16", True, True, b)]
+        if not args.quick and b <= 64:
+            cases += [("ours", "gpt2-xl", "float16", True, True, b)]
     rows = []
-    for impl, size, dtype, cache, graph in cases:
+    for impl, size, dtype, cache, graph, *bs in cases:
+        batch = bs[0] if bs else 1
         extra = {}
         if impl == "ours":
-            s = run_ours(size, dtype, cache, graph, args.repeats)
-            if cache and graph:  # against the weight-read roofline of the same run
-                floor_s = decode_weight_bytes(ours_model(size, dtype)) / (ceilings["copy_GBps"] * 1e9)
-                extra = {"roofline_tok_s": round(1 / floor_s, 1), "pct_roofline": round(100 * floor_s * NEW / s, 1)}
+            s = run_ours(size, dtype, cache, graph, args.repeats, batch)
+            if cache and graph:  # against the roofline of the same run: weights and the cache once a step
+                model = ours_model(size, dtype)
+                cfg = model.config
+                kv = 2 * cfg.n_layer * cfg.n_embd * model.dtype.itemsize * (len(PROMPT) + NEW / 2)  # a row, mean
+                weights_s = decode_weight_bytes(model) / (ceilings["copy_GBps"] * 1e9)
+                floor_s = weights_s + batch * kv / (ceilings["copy_GBps"] * 1e9)
+                extra = {"roofline_tok_s": round(batch / weights_s, 1),
+                         "pct_roofline": round(100 * weights_s * NEW / s, 1),
+                         "floor_tok_s": round(batch / floor_s, 1), "pct_floor": round(100 * floor_s * NEW / s, 1)}
         elif impl == "transformers-compile":
             try:
                 s, first = run_hf_compile(size, dtype, args.repeats)
@@ -185,12 +292,12 @@ def main():
                 continue
             extra = {"first_call_seconds": round(first, 2)}
         else:
-            s = run_hf(size, dtype, impl.split("-")[1], cache, args.repeats)
-        row = {"bench": "e2e", "impl": impl, "dtype": dtype, "model": size, "batch": 1, "cache": cache,
-               "graph": graph, "new_tokens": NEW, "seconds": round(s, 4), "tok_s": round(NEW / s, 1), **extra}
+            s = run_hf(size, dtype, impl.split("-")[1], cache, args.repeats, batch)
+        row = {"bench": "e2e", "impl": impl, "dtype": dtype, "model": size, "batch": batch, "cache": cache,
+               "graph": graph, "new_tokens": NEW, "seconds": round(s, 4), "tok_s": round(batch * NEW / s, 1), **extra}
         rows.append(row)
-        print(f"{impl:20s} {size:8s} {dtype:9s} cache={cache!s:5s} graph={graph!s:5s} "
-              f"{s:8.3f} s {NEW / s:9.1f} tok/s {extra}", flush=True)
+        print(f"{impl:20s} {size:8s} {dtype:9s} B={batch:<4d} cache={cache!s:5s} graph={graph!s:5s} "
+              f"{s:8.3f} s {batch * NEW / s:9.1f} tok/s {extra}", flush=True)
     for size in ("gpt2",) if args.quick else ("gpt2", "gpt2-xl"):
         r = {"bench": "e2e", "impl": "ours-one-token", "dtype": "float16", "model": size, "batch": 1, "cache": True,
              "graph": True, "new_tokens": 1, **one_token(size, "float16")}
@@ -198,18 +305,19 @@ def main():
         print(f"ours, warm one-token call, {size} float16: {r['seconds'] * 1e3:.2f} ms, prefill alone "
               f"{r['prefill_seconds'] * 1e3:.2f} ms, {r['beyond_prefill_ms']:.2f} ms beyond it", flush=True)
     path = write_results("e2e", rows, ceilings)
-    base = {(r["model"], r["dtype"]): r["tok_s"] for r in rows if r["impl"] == "transformers-sdpa" and r["cache"]}
+    base = {(r["model"], r["dtype"], r["batch"]): r["tok_s"] for r in rows
+            if r["impl"] == "transformers-sdpa" and r["cache"]}
     best_hf = {(r["model"], r["dtype"]): r["tok_s"] for r in rows if r["impl"] == "transformers-compile" and "tok_s" in r}
     print(f"\nwrote {path}")
     no_cache = {r["impl"]: r["seconds"] for r in rows if r["model"] == "gpt2" and r["dtype"] == "float32" and not r["cache"]}
     for impl in ("transformers-eager", "transformers-sdpa"):
         print(f"ours gpt2 float32 without KV cache: {no_cache[impl] / no_cache['ours']:.2f}x {impl} (no cache)")
     for r in rows:
-        if r["impl"] == "ours" and r["cache"] and (r["model"], r["dtype"]) in base:
-            print(f"ours {r['model']} {r['dtype']} graph={r['graph']}: "
-                  f"{r['tok_s'] / base[(r['model'], r['dtype'])]:.1f}x transformers-sdpa"
+        if r["impl"] == "ours" and r["cache"] and (r["model"], r["dtype"], r["batch"]) in base:
+            print(f"ours {r['model']} {r['dtype']} B={r['batch']} graph={r['graph']}: "
+                  f"{r['tok_s'] / base[(r['model'], r['dtype'], r['batch'])]:.1f}x transformers-sdpa"
                   + (f", {r['tok_s'] / best_hf[(r['model'], r['dtype'])]:.1f}x transformers-compile"
-                     if (r["model"], r["dtype"]) in best_hf else "")
+                     if (r["model"], r["dtype"]) in best_hf and r["batch"] == 1 else "")
                   + (f", {r['pct_roofline']}% of the weight-read roofline" if "pct_roofline" in r else ""))
 
 

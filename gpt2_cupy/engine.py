@@ -10,11 +10,18 @@ host queues up to ``LOOKAHEAD`` steps, each followed by a copy of its tokens int
 pinned memory and an event, and reads a step's tokens only when its event has fired.
 A sequence that ends (end-of-text) may cost a few steps of wasted GPU work; the tokens
 returned are exact.
+
+Continuous batching (:meth:`Engine.continuous`): more prompts than slots. A session of
+``max_batch`` slots and one captured step; a prompt is prefilled into a free slot (its
+first token from a one-row LM head) while the other slots keep their place in the
+pipeline, and the slot is refilled when its sequence ends. Every sequence gets the tokens
+it gets alone (greedy): the step's numbers never depend on the batch.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Iterator
 
 import cupy
 import cupyx
@@ -50,6 +57,12 @@ def _emit(tokens, done: list[bool], eos_token_id) -> list[int | None]:
         step.append(t)
         done[b] = eos_token_id is not None and t == eos_token_id
     return step
+
+
+def free_bytes() -> int:
+    """GPU memory this process can still allocate: free on the device plus what CuPy's pool
+    holds unused."""
+    return cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
 
 
 class DecodeBuffers:
@@ -93,6 +106,17 @@ class Session:
         self.pinned = cupyx.empty_pinned((LOOKAHEAD, batch), dtype=numpy.int32)
         self.events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(LOOKAHEAD)]
         self.busy = False
+        self._model, self._sampling, self._row = model, sampling, None
+
+    def row_head(self):
+        """(buffers of one row, the LM head recorded on them): a refilled slot's first token."""
+        if self._row is None:
+            with self.stream:
+                buf = DecodeBuffers(self._model.config, 1, self._model.dtype)
+                with _build.recording() as plan:
+                    self._model.head(buf, self._sampling)
+            self._row = (buf, plan)
+        return self._row
 
     def run_step(self) -> None:
         """One decode step on the session's stream."""
@@ -185,6 +209,123 @@ class Engine:
         finally:
             s.busy = False
 
+    def continuous(self, rows, budgets: list[int], sampling: dict | None, eos_token_id, max_batch: int,
+                   cuda_graph: bool, kv_dtype, stop: Callable[[int, int], bool] | None = None,
+                   progress: bool = False) -> Iterator[tuple[int, int]]:
+        """Continuous batching: yields (prompt index, token) as tokens come back, for every
+        prompt, through ``min(max_batch, len(rows))`` slots. ``budgets[p]``: prompt p's
+        new tokens at most; ``stop(p, token)`` True ends prompt p after that token (as
+        end-of-text does). Inputs were checked by the model, the memory by ``fits``."""
+        n = len(rows)
+        slots = min(max_batch, n)
+        s = self._acquire(slots, max(r.size + m for r, m in zip(rows, budgets)), kv_dtype, sampling, cuda_graph)
+        pending = collections.deque(p for p in range(n) if budgets[p] > 0)
+        holder: list[int | None] = [None] * s.batch  # the prompt each slot holds at issue time
+        issued, got = [0] * n, [0] * n  # tokens issued / read back per prompt
+        done = [budgets[p] == 0 for p in range(n)]
+        idle = dict.fromkeys(range(s.batch), 0)  # free slot -> steps since it was parked at row 0
+        inflight: collections.deque[tuple[int, dict[int, int]]] = collections.deque()
+        ring = 0
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=n, unit="prompt", initial=sum(done))
+        row_buf, row_head = s.row_head()
+
+        def send(attrib: dict[int, int]) -> None:
+            nonlocal ring
+            s.send_tokens(ring)
+            inflight.append((ring, attrib))
+            ring = (ring + 1) % LOOKAHEAD
+
+        def release(slot: int) -> None:  # park the slot at row 0 (its position stays inside the cache)
+            holder[slot] = None
+            with s.stream:
+                s.cache.positions[slot:slot + 1].fill(0)
+            idle[slot] = 0
+
+        try:
+            with s.stream:
+                s.cache.positions.fill(0)
+                s.buf.tokens.fill(0)
+                if sampling is not None:
+                    s.buf.offsets.fill(0)
+            while pending or inflight or any(h is not None for h in holder):
+                free = [slot for slot in range(slots) if holder[slot] is None]
+                if pending and free and len(inflight) < LOOKAHEAD:
+                    attrib = {}
+                    for slot in free[:len(pending)]:  # prefill alone, first token from a one-row head
+                        p = pending.popleft()
+                        with s.stream:
+                            self.model._prefill(cupy.asarray(rows[p], dtype=numpy.int32), s.cache, slot, row_buf.x)
+                            if sampling is not None:
+                                row_buf.offsets.fill(0)
+                            row_head.replay()
+                            s.buf.tokens[slot:slot + 1] = row_buf.tokens
+                            if sampling is not None:
+                                s.buf.offsets[slot:slot + 1] = row_buf.offsets
+                            s.cache.positions[slot:slot + 1].fill(rows[p].size)
+                        holder[slot], issued[p], attrib[slot] = p, 1, p
+                        del idle[slot]
+                    send(attrib)
+                    for slot, p in attrib.items():
+                        if issued[p] >= budgets[p]:
+                            release(slot)
+                elif any(h is not None for h in holder) and len(inflight) < LOOKAHEAD:
+                    s.run_step()
+                    attrib = {slot: p for slot, p in enumerate(holder) if p is not None}
+                    send(attrib)
+                    for slot, p in attrib.items():
+                        issued[p] += 1
+                        if issued[p] >= budgets[p]:
+                            release(slot)
+                    for slot in idle:  # free slots step too: back to row 0 before the cache ends
+                        idle[slot] += 1
+                        if idle[slot] >= s.max_len - 1:
+                            release(slot)
+                else:
+                    at, attrib = inflight.popleft()
+                    tokens = s.receive_tokens(at)
+                    for slot, p in attrib.items():
+                        if done[p]:
+                            continue  # steps issued after its end
+                        t = int(tokens[slot])
+                        got[p] += 1
+                        yield p, t
+                        if got[p] >= budgets[p] or (eos_token_id is not None and t == eos_token_id) or (
+                                stop is not None and stop(p, t)):
+                            done[p] = True
+                            if bar is not None:
+                                bar.update(1)
+                            if holder[slot] == p:
+                                release(slot)
+        finally:
+            s.busy = False
+            if bar is not None:
+                bar.close()
+
+    def fits(self, batch: int, n_max: int, kv_dtype) -> None:
+        """MemoryError, before anything runs, when a session for ``batch`` sequences of up to
+        ``n_max`` tokens cannot be allocated in the GPU memory free now."""
+        from cupy_kernels import kv_storage_dtype
+
+        cfg, dtype = self.model.config, self.model.dtype
+        B, S = batch_bucket(batch), length_bucket(n_max, cfg.n_positions)
+        storage = kv_storage_dtype(kv_dtype, dtype)
+        rows = cfg.n_layer * B * cfg.n_head * S
+        need = 2 * rows * cfg.head_dim * storage.itemsize + (2 * rows * 4 if storage != dtype else 0)
+        need += B * (cfg.vocab_size * 4 + 9 * cfg.n_embd * dtype.itemsize)  # logits and the step's buffers
+        free = free_bytes()
+        if need > free:  # idle sessions give their memory back first
+            while self._evict_one():
+                pass
+            free = free_bytes()
+        if need > free:
+            raise MemoryError(
+                f"a KV cache for {B} slots of {S} tokens needs {need / 2**30:.2f} GiB and {free / 2**30:.2f} GiB "
+                "of GPU memory are free: lower max_batch or max_new_tokens")
+
     def steps_without_cache(self, rows, max_new_tokens: int, sampling: dict | None, eos_token_id):
         """Like :meth:`steps`, recomputing every sequence in full for each new token."""
         m = self.model
@@ -207,4 +348,4 @@ class Engine:
                 return
 
 
-__all__ = ["DecodeBuffers", "Engine", "Session", "LOOKAHEAD", "batch_bucket", "length_bucket"]
+__all__ = ["DecodeBuffers", "Engine", "Session", "LOOKAHEAD", "batch_bucket", "free_bytes", "length_bucket"]

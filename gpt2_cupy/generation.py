@@ -90,12 +90,12 @@ def _pieces(tok, steps, n, stop, eos) -> Iterator[list[str]]:
         yield tail
 
 
-def generate(prompt: str | Sequence[str], model: str | GPT2 = "gpt2", *, max_new_tokens: int = 32,
+def generate(prompt: str | Sequence[str], model: str | GPT2 = "gpt2", *, max_new_tokens: int | Sequence[int] = 32,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
              eos_token_id: int | None | str = "default", dtype="float32", use_cache: bool = True,
              cuda_graph: bool = True, kv_cache_dtype: str | None = None, random_weights: bool = False,
-             tokenizer: Tokenizer | None = None):
+             tokenizer: Tokenizer | None = None, max_batch: int | None = None, progress: bool | None = None):
     """Continue ``prompt`` (a str, or a list of str run as one batch) with GPT-2.
 
     Returns the prompt followed by its continuation (a str, or a list of str). ``model`` is
@@ -103,7 +103,10 @@ def generate(prompt: str | Sequence[str], model: str | GPT2 = "gpt2", *, max_new
     ``max_new_tokens``, at the end-of-text token (``eos_token_id=None`` disables it), or
     where a ``stop`` string appears (the text is cut before it). Greedy unless
     ``do_sample``; the same ``seed`` gives the same text. ``kv_cache_dtype`` 'int8' or
-    'fp8' quantizes the KV cache (see :meth:`GPT2.generate`).
+    'fp8' quantizes the KV cache (see :meth:`GPT2.generate`). ``max_batch``: continuous
+    batching of a long list of prompts through that many slots, a slot refilled as soon
+    as its sequence ends; ``max_new_tokens`` may then be one per prompt; ``progress``
+    shows a progress bar (default: when there are more prompts than slots).
     """
     single = isinstance(prompt, str)
     prompts = [prompt] if single else list(prompt)
@@ -111,12 +114,47 @@ def generate(prompt: str | Sequence[str], model: str | GPT2 = "gpt2", *, max_new
         raise ValueError("no prompt given")
     net = load_model(model, dtype, random_weights)
     tok = _tokenizer_for(model, tokenizer)
+    if max_batch is not None or not isinstance(max_new_tokens, int):
+        texts = _generate_continuous(net, tok, prompts, max_new_tokens, stop, eos_token_id, max_batch, progress,
+                                     do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     seed=seed, use_cache=use_cache, cuda_graph=cuda_graph,
+                                     kv_cache_dtype=kv_cache_dtype)
+        return texts[0] if single else texts
     texts = list(prompts)
     for pieces in _text_steps(net, tok, prompts, max_new_tokens, stop, eos_token_id, do_sample=do_sample,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                               use_cache=use_cache, cuda_graph=cuda_graph, kv_cache_dtype=kv_cache_dtype):
         texts = [t + p for t, p in zip(texts, pieces)]
     return texts[0] if single else texts
+
+
+def _generate_continuous(net, tok, prompts, max_new_tokens, stop, eos_token_id, max_batch, progress, **kwargs):
+    """generate() through the engine's continuous batching: a prompt's slot is freed as soon
+    as its text reaches a stop string."""
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if not all(isinstance(s, str) for s in stop):
+        raise TypeError("stop must be a str or a list of str")
+    ids = _encode(tok, prompts)
+    eos = tok.eos_token_id if eos_token_id == "default" else eos_token_id
+    new: list[list[int]] = [[] for _ in prompts]
+
+    def at_stop(p: int, t: int) -> bool:
+        if t == eos:
+            return False  # (the engine ends it)
+        new[p].append(t)
+        return bool(stop) and _stop_at(tok.decode(new[p]), stop) is not None
+
+    seqs = net._generate_continuous(ids, max_new_tokens, eos_token_id=eos, max_batch=max_batch, progress=progress,
+                                    stop=at_stop if stop else None, **kwargs)
+    texts = []
+    for prompt, row, seq in zip(prompts, ids, seqs):
+        out = seq[len(row):]
+        if eos is not None and eos in out:
+            out = out[:out.index(eos)]
+        text = tok.decode(out)
+        cut = _stop_at(text, stop)
+        texts.append(prompt + (text if cut is None else text[:cut]))
+    return texts
 
 
 def stream(prompt: str, model: str | GPT2 = "gpt2", **kwargs) -> Iterator[str]:

@@ -2,7 +2,7 @@
 
 Shapes: B sequences, T tokens, C = n_embd, H heads of D = C / H, V vocabulary.
 Linear weights are stored (out, in), the transpose of GPT-2's Conv1D layout, so that the
-decode step's row kernels stream each weight row once and the LM head reads ``wte`` as is.
+decode step's products stream each weight row once and the LM head reads ``wte`` as is.
 
 Prefill runs each prompt on its own (cuBLAS matrix products through CuPy, the project's
 kernels for everything else: attention on tensor cores in float16 / bfloat16, on CUDA
@@ -251,17 +251,21 @@ class GPT2:
         logits [B, V] float32, offsets [B] uint64): embed the tokens, run every block on
         the cached keys / values, LM head, next tokens, advance the positions.
 
-        Five launches a block (six with a quantized cache): LayerNorm runs inside the
-        products that consume it (each block of the product normalizes the few rows of x
-        itself); bias, GELU, the residual add and the KV-cache append in their epilogues."""
+        Six launches a block (seven with a quantized cache): q|k|v, attention, the merge of
+        its splits, and three products. LayerNorm runs inside the products that consume it
+        (each block of the product normalizes the rows of x itself) up to 16 sequences, in a
+        launch of its own ahead of them past that (the same bits); bias, GELU, the residual
+        add and the KV-cache append in the products' epilogues."""
         cfg = self.config
         B, C, H, D, eps = buf.x.shape[0], cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
         qkv = buf.qkv.reshape(B, 1, 3, H, D)  # view: [B, T=1, 3, H, D]
-        # split each sequence's cache and size its blocks as if it ran alone, so that its
-        # numbers (and tokens) do not depend on what it is batched with; merge the splits
-        # with a second kernel: GPT-2 small at B = 1 took 2.8 + 1.7 us a layer that way in a
-        # CUDA graph, 5.0 us with the last-block merge (benchmarks/decode_step.py, H100)
-        alone = launch_config(self.dtype, cache.k.dtype, 1, H, H, D, cache.max_len)
+        # split each sequence's cache and size its blocks as if it ran alone in a cache of the
+        # model's full length, so that its numbers (and tokens) depend neither on what it is
+        # batched with nor on the cache-length bucket (the chunks follow the split count and
+        # the sequence's own length); merge the splits with a second kernel: GPT-2 small at
+        # B = 1 took 2.8 + 1.7 us a layer that way in a CUDA graph, 5.0 us with the last-block
+        # merge (benchmarks/decode_step.py, H100)
+        alone = launch_config(self.dtype, cache.k.dtype, 1, H, H, D, cfg.n_positions)
         with _build.recording() as plan:
             K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x)
             for i, blk in enumerate(self.blocks):
@@ -314,10 +318,11 @@ class GPT2:
             return self.engine.steps_without_cache(rows, max_new_tokens, sampling, eos_token_id)
         return self.engine.steps(rows, max_new_tokens, sampling, eos_token_id, cuda_graph, kv_cache_dtype)
 
-    def generate(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 eos_token_id: int | None = None, use_cache: bool = True, cuda_graph: bool = True,
-                 kv_cache_dtype: str | None = None):
+    def generate(self, input_ids, max_new_tokens: int | list[int] = 32, *, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, eos_token_id: int | None = None, use_cache: bool = True,
+                 cuda_graph: bool = True, kv_cache_dtype: str | None = None, max_batch: int | None = None,
+                 progress: bool | None = None):
         """Generate token ids.
 
         input_ids: [T] or [B, T] ints, or a list of prompts of different lengths. Returns the
@@ -332,8 +337,22 @@ class GPT2:
         Prompts are run one by one and decoding treats each row independently, so a batch
         gives each sequence the same tokens as running it alone (greedy; sampling draws a
         different random stream per row).
+
+        ``max_batch``: continuous batching. At most that many sequences decode at once; a
+        sequence that ends frees its slot for the next prompt, and the results come back in
+        the input order. ``max_new_tokens`` may then be a list, one per prompt (a list alone
+        runs every prompt at once this way). ``progress``: a progress bar over the prompts
+        (default: when there are more prompts than slots). The KV cache is sized for the
+        slots and the longest prompt + new tokens; MemoryError before anything runs when the
+        GPU lacks the memory.
         """
         rows, single = check_input_ids(input_ids, self.config)
+        if max_batch is not None or isinstance(max_new_tokens, (list, tuple)):
+            out = self._generate_continuous(rows, max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                            top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
+                                            use_cache=use_cache, cuda_graph=cuda_graph,
+                                            kv_cache_dtype=kv_cache_dtype, max_batch=max_batch, progress=progress)
+            return out[0] if single else out
         seqs = [list(map(int, r)) for r in rows]
         for step in self.stream(rows, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, eos_token_id=eos_token_id, use_cache=use_cache,
@@ -344,9 +363,55 @@ class GPT2:
         return seqs[0] if single else seqs
 
 
+    def _generate_continuous(self, rows, max_new_tokens, *, do_sample, temperature, top_k, top_p, seed,
+                             eos_token_id, use_cache, cuda_graph, kv_cache_dtype, max_batch, progress, stop=None):
+        """generate() with continuous batching: prompt + new tokens per row, in input order.
+        ``stop(p, token)`` True ends prompt p after that token."""
+        rows, _ = check_input_ids(rows, self.config)  # (lists of ids from the text layer too)
+        budgets = check_budgets(rows, max_new_tokens)
+        if max_batch is None:
+            max_batch = len(rows)
+        if not _is_int(max_batch) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if not use_cache:
+            raise ValueError("continuous batching (max_batch, or one max_new_tokens per prompt) needs use_cache=True")
+        for b, (r, m) in enumerate(zip(rows, budgets)):
+            if len(r) + m > self.config.n_positions:
+                raise ValueError(f"sequence {b}: {len(r)} prompt tokens + {m} new tokens exceed the model's "
+                                 f"{self.config.n_positions} positions")
+        seed = check_generate_args(rows, self.config, 0, do_sample, temperature, top_k, top_p, seed, eos_token_id)
+        K.kv_storage_dtype(kv_cache_dtype, self.dtype)
+        slots = min(max_batch, len(rows))
+        self.engine.fits(slots, max(len(r) + m for r, m in zip(rows, budgets)), kv_cache_dtype)
+        sampling = None
+        if do_sample:
+            sampling = {"seed": seed, "temperature": float(temperature), "top_k": top_k,
+                        "top_p": None if top_p is None else float(top_p)}
+        seqs = [list(map(int, r)) for r in rows]
+        show = len(rows) > slots if progress is None else bool(progress)
+        for p, t in self.engine.continuous(rows, budgets, sampling, eos_token_id, slots, cuda_graph, kv_cache_dtype,
+                                           stop=stop, progress=show):
+            seqs[p].append(t)
+        return seqs
+
+
 # -------------------------------------------------------------------------------------
 # input checks: on the host, before anything is launched
 # -------------------------------------------------------------------------------------
+def check_budgets(rows, max_new_tokens) -> list[int]:
+    """New tokens per prompt: ``max_new_tokens`` (an int for all, or one int per prompt)."""
+    if isinstance(max_new_tokens, (list, tuple)):
+        if len(max_new_tokens) != len(rows):
+            raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(rows)} prompts")
+        budgets = list(max_new_tokens)
+    else:
+        budgets = [max_new_tokens] * len(rows)
+    for b, m in enumerate(budgets):
+        if not _is_int(m) or m < 0:
+            raise ValueError(f"max_new_tokens of sequence {b} must be an integer >= 0, got {m!r}")
+    return [int(m) for m in budgets]
+
+
 def check_input_ids(input_ids, config: GPT2Config, allow_ragged: bool = True) -> tuple[list[numpy.ndarray], bool]:
     """input_ids ([T], [B, T], a list of prompts, or a CuPy / numpy array or tensor) as a
     list of int64 numpy rows, and whether it was a single sequence. Raises TypeError /

@@ -95,6 +95,20 @@ def test_batch_equals_one_by_one(small):
     assert model.generate(prompts, 5, use_cache=False) == [a[: len(p) + 5] for a, p in zip(alone, prompts)]
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_batch_equals_one_by_one_on_tensor_cores(small, dtype):
+    """Half precision runs the decode step's products on tensor cores: a sequence's tokens
+    still do not depend on its batch, alone (LayerNorm in the products' prologue), in 9 rows
+    (two n-tiles) and in 20 (LayerNorm ahead of the products)."""
+    hf, _ = small
+    model = GPT2.from_hf(hf, dtype)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 50257, int(n)).tolist() for n in rng.integers(1, 30, 20)]
+    alone = [model.generate(p, 24) for p in prompts]
+    assert model.generate(prompts, 24) == alone
+    assert model.generate(prompts[:9], 24) == alone[:9]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_cached_tokens_are_argmax_of_full_forward(small, dtype):
     """Each token the cached decode path picked is (within rounding) the argmax of the
@@ -247,3 +261,66 @@ def test_from_pretrained_local_directory(tmp_path):
                              capture_output=True, text=True, timeout=300)
     assert missing.returncode == 1 and missing.stderr.startswith("error:")
     assert "Traceback" not in missing.stderr
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_continuous_batching_equals_alone(small, dtype):
+    """More prompts than slots, per-prompt max_new_tokens (0 and 1 among them), end-of-text
+    ending some early: every prompt gets exactly its alone-result, in the input order,
+    whatever the number of slots (a cache bucket of its own included)."""
+    hf, _ = small
+    model = GPT2.from_hf(hf, dtype)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 50257, int(n)).tolist() for n in rng.integers(1, 40, 11)]
+    budgets = [int(m) for m in rng.integers(2, 40, 11)]
+    budgets[0], budgets[3], budgets[7], budgets[9] = 9, 0, 1, 100  # nothing, the first token only, a longer cache
+    free = [model.generate(p, m) for p, m in zip(prompts, budgets)]
+    eos = free[0][len(prompts[0]) + 2]  # a token some sequences make early
+    alone = [model.generate(p, m, eos_token_id=eos) for p, m in zip(prompts, budgets)]
+    assert any(len(a) < len(p) + m for a, p, m in zip(alone, prompts, budgets))  # end-of-text cut some
+    for max_batch in (1, 3, 16):
+        got = model.generate(prompts, budgets, eos_token_id=eos, max_batch=max_batch, progress=max_batch == 3)
+        assert got == alone, max_batch
+    assert model.generate(prompts[:4], 12, max_batch=2) == [model.generate(p, 12) for p in prompts[:4]]
+
+
+def test_continuous_batching_sampling_is_seeded(small):
+    _, model = small
+    prompts = [PROMPT, [42], [7, 8, 9], PROMPT[:3]]
+    a = model.generate(prompts, [5, 9, 3, 7], do_sample=True, seed=3, max_batch=2)
+    assert a == model.generate(prompts, [5, 9, 3, 7], do_sample=True, seed=3, max_batch=2)
+    assert [len(s) - len(p) for s, p in zip(a, prompts)] == [5, 9, 3, 7]
+
+
+def test_continuous_batching_bad_requests_raise_before_running(small, monkeypatch):
+    _, model = small
+    before = model.generate(PROMPT, 8)
+    with pytest.raises(ValueError, match="max_batch"):
+        model.generate([PROMPT, [1]], 4, max_batch=0)
+    with pytest.raises(ValueError, match="entries"):
+        model.generate([PROMPT, [1]], [4], max_batch=2)
+    with pytest.raises(ValueError, match="sequence 1"):
+        model.generate([PROMPT, [1]], [4, -2], max_batch=2)
+    with pytest.raises(ValueError, match="positions"):
+        model.generate([PROMPT, list(range(1000))], [4, 30], max_batch=1)
+    with pytest.raises(ValueError, match="use_cache"):
+        model.generate([PROMPT, [1]], 4, max_batch=2, use_cache=False)
+    import gpt2_cupy.engine as engine
+
+    monkeypatch.setattr(engine, "free_bytes", lambda: 1 << 20)
+    with pytest.raises(MemoryError, match="max_batch"):
+        model.generate([PROMPT] * 8, 4, max_batch=8)
+    monkeypatch.undo()
+    assert model.generate(PROMPT, 8) == before
+    assert model.generate([PROMPT, [1]], [8, 3], max_batch=1)[0] == before
+
+
+def test_text_generate_continuous_batching(small):
+    _, model = small
+    prompts = ["Hello, I'm a language model,", "The", "A B C", "x"]
+    alone = [generate(p, model, max_new_tokens=n, eos_token_id=None) for p, n in zip(prompts, (12, 5, 9, 1))]
+    assert generate(prompts, model, max_new_tokens=[12, 5, 9, 1], eos_token_id=None, max_batch=2) == alone
+    stop = alone[0][len(prompts[0]) + 3: len(prompts[0]) + 6]
+    cut = generate(prompts, model, max_new_tokens=12, eos_token_id=None, max_batch=3, stop=stop)
+    assert cut[0] == generate(prompts[0], model, max_new_tokens=12, eos_token_id=None, stop=stop)
+    assert stop not in cut[0][len(prompts[0]):]
