@@ -209,9 +209,10 @@ def _prepare(x, weight, bias, ln):
     return x, weight, bias, ln, B, N, K
 
 
-def _tensor_cores(x, weight, K: int) -> bool:
-    """float16 / bfloat16 rows of 16-byte vectors: the tensor-core kernel."""
-    return x.dtype.itemsize == 2 and _checks.vec_width(x.dtype, K, x, weight) == 8
+def _tensor_cores(x, weight, K: int, ln) -> bool:
+    """float16 / bfloat16 rows of 16-byte vectors (x, W and the LayerNorm parameters): the
+    tensor-core kernel."""
+    return x.dtype.itemsize == 2 and _checks.vec_width(x.dtype, K, x, weight, *(ln or ())[:2]) == 8
 
 
 def _check_tile(tile, warps, mma: bool):
@@ -226,15 +227,16 @@ def _check_tile(tile, warps, mma: bool):
             raise ValueError(f"warps must be one of {WARPS}, got {warps!r}")
 
 
-def _geometry(x, weight, N: int, K: int, tile, warps, ln: bool):
-    """(vector width, tile, warps per block) of a CUDA-core launch. The tile never changes
-    the numbers; the block width (warps) follows the shape alone, so neither does that."""
+def _geometry(x, weight, N: int, K: int, tile, warps, ln):
+    """(vector width, tile, warps per block) of a CUDA-core launch: 16-byte vectors where x,
+    W and the LayerNorm parameters allow. The tile never changes the numbers; the block
+    width (warps) follows the shape alone, so neither does that."""
     dflt_tile, dflt_warps = _tile(N, K, x.dtype.itemsize)
     tile, warps = tuple(tile or dflt_tile), warps or dflt_warps
-    vec = _checks.vec_width(x.dtype, K, x, weight)
+    vec = _checks.vec_width(x.dtype, K, x, weight, *(ln or ())[:2])
     if vec == 1:
         tile = _SCALAR_TILE
-    if ln and _build.cdiv(K // vec, 32 * warps) > LN_CHUNKS:  # the LayerNorm row in one round of loads
+    if ln is not None and _build.cdiv(K // vec, 32 * warps) > LN_CHUNKS:  # the LayerNorm row in one round of loads
         warps = WARPS[-1]
     return vec, tile, warps
 
@@ -307,11 +309,11 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
 def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps):
     """Launches the product (tensor cores for 16-bit vector rows, else CUDA cores); returns
     its number of blocks and the argmax partials, made by ``part(blocks)`` when given."""
-    mma = _tensor_cores(x, weight, K)
+    mma = _tensor_cores(x, weight, K, ln)
     _check_tile(tile, warps, mma)
     if mma:
         return _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps)
-    vec, tile, warps = _geometry(x, weight, N, K, tile, warps, ln is not None)
+    vec, tile, warps = _geometry(x, weight, N, K, tile, warps, ln)
     br = _batch_rows(B, K)
     kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), out_type, vec, tile, br, ln is not None, epi))
     smem = br * K * 4

@@ -474,3 +474,23 @@ def test_row_kernels_with_differently_aligned_arrays(dtype):
     out = poisoned((rows, cols), dtype)
     K.softmax(x, scale=0.3, out=out)
     check(out, ref.softmax(xh, scale=0.3), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_with_unaligned_layernorm_parameters(dtype):
+    """LayerNorm parameters that start 1 element past an allocation: the product must not
+    read them as 16-byte vectors (element-wise path), and still computes the same numbers."""
+    rng = np.random.default_rng(13)
+    B, N, K_ = 3, 300, 768
+    x, xh = rand(rng, (B, K_), dtype)
+    w, wh = rand(rng, (N, K_), dtype, 1.0 / np.sqrt(K_))
+    base, baseh = rand(rng, (2 * K_ + 1,), dtype)
+    lw, lb = base[1:K_ + 1], base[K_ + 1:]
+    expect = ref.linear(ref.layernorm(xh, baseh[1:K_ + 1], baseh[K_ + 1:], 1e-5), wh)
+    out = poisoned((B, N), dtype)
+    K.linear(x, w, ln=(lw, lb, 1e-5), out=out)
+    check(out, expect, dtype)
+    logits = poisoned((B, N), np.float32)
+    tokens = K.linear_argmax(x, w, ln=(lw, lb, 1e-5), logits=logits)
+    check(logits, expect, dtype)
+    assert tokens.get().tolist() == np.argmax(logits.get(), axis=1).tolist()
