@@ -227,11 +227,6 @@ class Engine:
         inflight: collections.deque[tuple[int, dict[int, int]]] = collections.deque()
         ring = 0
         bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=n, unit="prompt", initial=sum(done))
-        row_buf, row_head = s.row_head()
 
         def send(attrib: dict[int, int]) -> None:
             nonlocal ring
@@ -246,11 +241,14 @@ class Engine:
             idle[slot] = 0
 
         try:
+            row_buf, row_head = s.row_head()
+            if progress:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=n, unit="prompt", initial=sum(done))
             with s.stream:
                 s.cache.positions.fill(0)
                 s.buf.tokens.fill(0)
-                if sampling is not None:
-                    s.buf.offsets.fill(0)
             while pending or inflight or any(h is not None for h in holder):
                 free = [slot for slot in range(slots) if holder[slot] is None]
                 if pending and free and len(inflight) < LOOKAHEAD:
@@ -259,8 +257,8 @@ class Engine:
                         p = pending.popleft()
                         with s.stream:
                             self.model._prefill(cupy.asarray(rows[p], dtype=numpy.int32), s.cache, slot, row_buf.x)
-                            if sampling is not None:
-                                row_buf.offsets.fill(0)
+                            if sampling is not None:  # random numbers (offset, row): prompt p's own offsets
+                                row_buf.offsets.fill(p << 32)
                             row_head.replay()
                             s.buf.tokens[slot:slot + 1] = row_buf.tokens
                             if sampling is not None:
@@ -305,17 +303,22 @@ class Engine:
             if bar is not None:
                 bar.close()
 
-    def fits(self, batch: int, n_max: int, kv_dtype) -> None:
+    def fits(self, batch: int, n_max: int, prompt_max: int, kv_dtype, sampling, cuda_graph) -> None:
         """MemoryError, before anything runs, when a session for ``batch`` sequences of up to
-        ``n_max`` tokens cannot be allocated in the GPU memory free now."""
+        ``n_max`` tokens (prompts of up to ``prompt_max``) cannot be allocated in the GPU
+        memory free now. An idle session of the same bucket is reused: nothing to check."""
         from cupy_kernels import kv_storage_dtype
 
         cfg, dtype = self.model.config, self.model.dtype
         B, S = batch_bucket(batch), length_bucket(n_max, cfg.n_positions)
+        key = (B, S, kv_dtype, None if sampling is None else tuple(sorted(sampling.items())), bool(cuda_graph))
+        if any(not s.busy for s in self._sessions.get(key, ())):
+            return
         storage = kv_storage_dtype(kv_dtype, dtype)
         rows = cfg.n_layer * B * cfg.n_head * S
         need = 2 * rows * cfg.head_dim * storage.itemsize + (2 * rows * 4 if storage != dtype else 0)
-        need += B * (cfg.vocab_size * 4 + 9 * cfg.n_embd * dtype.itemsize)  # logits and the step's buffers
+        need += (B + 1) * (cfg.vocab_size * 4 + 9 * cfg.n_embd * dtype.itemsize)  # the step's and a row head's buffers
+        need += prompt_max * 16 * cfg.n_embd * 4  # a prefill's activations (q|k|v, MLP, attention; float32 bound)
         free = free_bytes()
         if need > free:  # idle sessions give their memory back first
             while self._evict_one():

@@ -341,7 +341,7 @@ class GPT2:
         ``max_batch``: continuous batching. At most that many sequences decode at once; a
         sequence that ends frees its slot for the next prompt, and the results come back in
         the input order. ``max_new_tokens`` may then be a list, one per prompt (a list alone
-        runs every prompt at once this way). ``progress``: a progress bar over the prompts
+        runs every prompt at once this way). Sampling draws each prompt's own random stream. ``progress``: a progress bar over the prompts
         (default: when there are more prompts than slots). The KV cache is sized for the
         slots and the longest prompt + new tokens; MemoryError before anything runs when the
         GPU lacks the memory.
@@ -382,12 +382,15 @@ class GPT2:
         seed = check_generate_args(rows, self.config, 0, do_sample, temperature, top_k, top_p, seed, eos_token_id)
         K.kv_storage_dtype(kv_cache_dtype, self.dtype)
         slots = min(max_batch, len(rows))
-        self.engine.fits(slots, max(len(r) + m for r, m in zip(rows, budgets)), kv_cache_dtype)
+        seqs = [list(map(int, r)) for r in rows]
+        if not any(budgets):
+            return seqs
         sampling = None
         if do_sample:
             sampling = {"seed": seed, "temperature": float(temperature), "top_k": top_k,
                         "top_p": None if top_p is None else float(top_p)}
-        seqs = [list(map(int, r)) for r in rows]
+        self.engine.fits(slots, max(len(r) + m for r, m in zip(rows, budgets)), max(len(r) for r in rows),
+                         kv_cache_dtype, sampling, cuda_graph)
         show = len(rows) > slots if progress is None else bool(progress)
         for p, t in self.engine.continuous(rows, budgets, sampling, eos_token_id, slots, cuda_graph, kv_cache_dtype,
                                            stop=stop, progress=show):
@@ -457,6 +460,8 @@ def check_input_ids(input_ids, config: GPT2Config, allow_ragged: bool = True) ->
         if arr.size > config.n_positions:
             raise ValueError(f"sequence {b} has {arr.size} tokens; the model has {config.n_positions} positions")
         checked.append(arr.astype(numpy.int64))
+    if not checked:
+        raise ValueError("input_ids holds no sequence")
     if not allow_ragged and len({r.size for r in checked}) > 1:
         raise ValueError("sequences of different lengths: pass them one at a time")
     return checked, single

@@ -285,11 +285,15 @@ def test_continuous_batching_equals_alone(small, dtype):
 
 
 def test_continuous_batching_sampling_is_seeded(small):
+    """Same seed, same text; each prompt draws its own random numbers, even through the
+    same slot as another copy of it."""
     _, model = small
     prompts = [PROMPT, [42], [7, 8, 9], PROMPT[:3]]
     a = model.generate(prompts, [5, 9, 3, 7], do_sample=True, seed=3, max_batch=2)
     assert a == model.generate(prompts, [5, 9, 3, 7], do_sample=True, seed=3, max_batch=2)
     assert [len(s) - len(p) for s, p in zip(a, prompts)] == [5, 9, 3, 7]
+    same = model.generate([PROMPT] * 4, 12, do_sample=True, seed=5, max_batch=1)
+    assert len({tuple(s) for s in same}) == 4
 
 
 def test_continuous_batching_bad_requests_raise_before_running(small, monkeypatch):
@@ -305,6 +309,9 @@ def test_continuous_batching_bad_requests_raise_before_running(small, monkeypatc
         model.generate([PROMPT, list(range(1000))], [4, 30], max_batch=1)
     with pytest.raises(ValueError, match="use_cache"):
         model.generate([PROMPT, [1]], 4, max_batch=2, use_cache=False)
+    with pytest.raises(ValueError, match="no sequence"):
+        model.generate(np.zeros((0, 4), dtype=np.int64), 4, max_batch=2)
+    assert model.generate([PROMPT, [1]], [0, 0], max_batch=2) == [PROMPT, [1]]
     import gpt2_cupy.engine as engine
 
     monkeypatch.setattr(engine, "free_bytes", lambda: 1 << 20)
