@@ -8,7 +8,7 @@ import pytest
 import cupy_kernels as K
 from gpt2_cupy import SIZES
 from gpt2_cupy.__main__ import main
-from gpt2_cupy.model import check_generate_args, check_input_ids, dtype_name
+from gpt2_cupy.model import check_budgets, check_generate_args, check_input_ids, dtype_name
 
 CFG = SIZES["gpt2"]
 
@@ -37,6 +37,7 @@ def test_input_ids_forms(ids, rows):
 
 @pytest.mark.parametrize("ids,error,match", [
     ([], ValueError, "empty"),
+    (np.zeros((0, 4), np.int64), ValueError, "no sequence"),
     ([[1], []], ValueError, "sequence 1 is empty"),
     ([50257], ValueError, "outside the vocabulary"),
     ([-3], ValueError, "outside the vocabulary"),
@@ -121,3 +122,17 @@ def test_engine_buckets():
     assert length_bucket(10, 1024) == MIN_CACHE
     assert length_bucket(520, 1024) == 1024 and length_bucket(1000, 1024) == 1024
     assert length_bucket(129, 1024) == 256 and length_bucket(128, 1024) == 128
+
+
+def test_max_new_tokens_per_prompt():
+    rows = [np.array([1]), np.array([2, 3])]
+    assert check_budgets(rows, 5) == [5, 5]
+    assert check_budgets(rows, [0, np.int64(7)]) == [0, 7]
+    with pytest.raises(ValueError, match="2 prompts"):
+        check_budgets(rows, [1, 2, 3])
+    with pytest.raises(ValueError, match="sequence 1"):
+        check_budgets(rows, [1, -1])
+    with pytest.raises(ValueError, match="sequence 0"):
+        check_budgets(rows, [True, 1])
+    with pytest.raises(ValueError, match="sequence 0"):
+        check_budgets(rows, 2.5)
