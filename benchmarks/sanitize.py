@@ -37,6 +37,8 @@ def main():
             qkv = r(2, T, 3, 2, D, dtype=dtype)
             K.causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
             # tensor cores (float32: 3xTF32): ragged tiles, causal and not, Tq != Tk both ways
+            cut = min(3, T)  # packed sequences of 3, 0 and T - 3 rows
+            K.flash_attention(qkv[:1, :, 0], qkv[:1, :, 1], qkv[:1, :, 2], cu_seqlens=[0, cut, cut, T])
             for causal in (False, True):
                 K.flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal)
                 K.flash_attention(qkv[:, :3, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal)

@@ -76,14 +76,16 @@ TILES = {
 }
 
 
-def _name(c_type: str, head_dim: int, causal: bool) -> str:
-    return f"flash_attention_kernel<{c_type}, {str(causal).lower()}, {TILES[head_dim].c_type(head_dim)}>"
+def _name(c_type: str, head_dim: int, causal: bool, varlen: bool = False) -> str:
+    return (f"flash_attention_kernel<{c_type}, {str(causal).lower()}, {TILES[head_dim].c_type(head_dim)}, "
+            f"{str(varlen).lower()}>")
 
 
 _build.declare(
     _SRC,
-    [_name(_build.ctype(d), h, c) for d, h, c in itertools.product(DTYPES, HEAD_DIMS, (False, True))
-     if d != numpy.float32],
+    [_name(_build.ctype(d), h, c, vl) for d, h, c, vl in itertools.product(DTYPES, HEAD_DIMS, (False, True),
+                                                                           (False, True))
+     if d != numpy.float32 and (c or not vl)],  # varlen: causal only (see flash_attention)
 )
 
 # float32 (flash_attention_tf32.cu): 64 query rows per block, 4 warps of 16; keys per tile
@@ -92,11 +94,12 @@ _F32_ROWS = 64
 _F32_KEYS = {64: 64, 128: 32}
 
 
-def _f32_name(head_dim: int, causal: bool) -> str:
-    return f"flash_attention_tf32_kernel<{head_dim}, {str(causal).lower()}>"
+def _f32_name(head_dim: int, causal: bool, varlen: bool = False) -> str:
+    return f"flash_attention_tf32_kernel<{head_dim}, {str(causal).lower()}, {str(varlen).lower()}>"
 
 
-_build.declare(_SRC_F32, [_f32_name(h, c) for h, c in itertools.product(HEAD_DIMS, (False, True))])
+_build.declare(_SRC_F32, [_f32_name(h, c, vl) for h, c, vl in itertools.product(HEAD_DIMS, (False, True),
+                                                                              (False, True)) if c or not vl])
 
 
 _MAX_TIME_STRIDE = 2**30  # elements: the kernel keeps a row stride in bytes as a 32-bit int
@@ -122,7 +125,25 @@ def _strides(a, name: str) -> tuple[int, int, int]:
     return tuple(s // item for s in strides)
 
 
-def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None, out=None) -> cupy.ndarray:
+def _varlen(cu_seqlens, q, k) -> tuple[cupy.ndarray, int, int]:
+    """(cu_seqlens on the GPU as int32, sequences, longest) of a ``cu_seqlens=`` argument,
+    checked on the host: offsets that rise from 0 to T without falling."""
+    host = cupy.asnumpy(cu_seqlens) if isinstance(cu_seqlens, cupy.ndarray) else numpy.asarray(cu_seqlens)
+    if host.dtype.kind not in "iu" or host.ndim != 1 or host.size < 2:
+        raise ValueError("cu_seqlens must be a 1-D integer array of n + 1 >= 2 offsets")
+    T = q.shape[1]
+    if q.shape[0] != 1 or k.shape[1] != T:
+        raise ValueError(f"with cu_seqlens, q, k and v are [1, T, H, D] of one T (packed sequences), got q "
+                         f"{q.shape} and k {k.shape}")
+    if host[0] != 0 or host[-1] != T or (numpy.diff(host) < 0).any():
+        raise ValueError(f"cu_seqlens must rise from 0 to T = {T} without falling, got {host.tolist()[:8]}")
+    if host.size - 1 > 65535:
+        raise ValueError(f"at most 65535 sequences per call, got {host.size - 1}")
+    return cupy.asarray(host, dtype=numpy.int32), host.size - 1, int(numpy.diff(host).max())
+
+
+def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None, out=None,
+                    cu_seqlens=None) -> cupy.ndarray:
     """Attention on tensor cores: ``softmax(q k^T * scale) v`` per batch and head.
 
     q: [B, Tq, H, D]; k, v: [B, Tk, H, D]; D in {64, 128}. float16 or bfloat16: products on
@@ -137,6 +158,12 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     in FlashAttention: with Tq < Tk (a prompt after Tk - Tq cached tokens) the last query sees
     every key; with Tq > Tk the first Tq - Tk queries see no key and get zeros. Without
     ``causal`` every query sees all Tk keys (zeros when Tk = 0).
+
+    ``cu_seqlens`` (varlen, as FlashAttention's; causal only, the prefill of many prompts):
+    n + 1 offsets from 0 to T; q, k and v are [1, T, H, D] holding n sequences one after
+    another along T, sequence i in rows cu_seqlens[i] .. cu_seqlens[i + 1], and each attends
+    only to its own keys (Tq = Tk per sequence). Checked on the host (a GPU array is copied
+    back). (The non-causal varlen kernel at D = 64 spilled registers: not built.)
 
     Returns a contiguous [B, Tq, H, D] array (view it as [B, Tq, H*D]).
     """
@@ -156,6 +183,12 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     if not (scale > 0 and math.isfinite(scale)):
         raise ValueError(f"scale must be positive and finite, got {scale}")
     strides = [_strides(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v"))]
+    grid_t, grid_b, cu = Tq, B, None
+    if cu_seqlens is not None:
+        if not causal:
+            raise ValueError("cu_seqlens (packed sequences) is supported with causal=True only")
+        cu, grid_b, grid_t = _varlen(cu_seqlens, q, k)
+    varlen = cu is not None
     out = _checks.output(out, "out", q.shape, q.dtype)
     if out.data.ptr % (2 * q.itemsize):
         raise ValueError(f"out must start on a {2 * q.itemsize}-byte boundary (the kernel stores pairs of elements)")
@@ -163,19 +196,20 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
         return out
     args = [out, q, k, v, i32(Tq), i32(Tk), i32(H)]
     if q.dtype == numpy.float32:
-        kern = _build.kernel(_SRC_F32, _f32_name(D, bool(causal)))
+        kern = _build.kernel(_SRC_F32, _f32_name(D, bool(causal), varlen))
         smem = 4 * (_F32_ROWS + 2 * _F32_KEYS[D]) * D  # Q, one K and one V tile of float32
         rows, threads = _F32_ROWS, 128
         for st in strides:
             args += [i64(s) for s in st]
     else:
         tiles = TILES[D]
-        kern = _build.kernel(_SRC, _name(_build.ctype(q.dtype), D, bool(causal)))
+        kern = _build.kernel(_SRC, _name(_build.ctype(q.dtype), D, bool(causal), varlen))
         smem = tiles.smem_bytes(D)
         rows, threads = tiles.rows, 32 * tiles.warps
         for sb, st, sh in strides:
             args += [i64(sb), i32(st), i64(sh)]
-    args.append(f32(scale))
+    args += [f32(scale), cu if varlen else 0]
     _build.set_smem(kern, smem)
-    kern((_build.cdiv(Tq, rows), H, B), (threads,), tuple(args), shared_mem=smem)
+    if grid_t > 0:
+        kern((_build.cdiv(grid_t, rows), H, grid_b), (threads,), tuple(args), shared_mem=smem)
     return out

@@ -109,6 +109,15 @@ __device__ __forceinline__ uint4 load_stream16(const void* p) {
     return r;
 }
 
+// An int read from global memory at this point of the program, every time: a volatile load
+// the compiler neither merges with an earlier one nor hoists, so that a value needed again
+// at a kernel's end need not stay in a register through its main loop.
+__device__ __forceinline__ int reload_int(const int* p) {
+    int r;
+    asm volatile("ld.global.b32 %0, [%1];\n" : "=r"(r) : "l"(p));
+    return r;
+}
+
 // ---------------------------------------------------------------------------------------
 // warp and block reductions (float32)
 // ---------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 //
 //   out[b, i, h, :] = sum_j softmax_j(q[b,i,h,:] . k[b,j,h,:] * scale) v[b,j,h,:],   j < Tk
 //
+// varlen (VARLEN, cu_seqlens): q, k, v and out pack sequences along time, sequence b in rows
+// cu_seqlens[b] .. cu_seqlens[b + 1]; each attends to its own keys only (Tq = Tk = its length).
+//
 // causal: query i sees key j only if j <= i + (Tk - Tq), the mask aligned to the bottom
 // right as in FlashAttention (the last query sees every key; Tq < Tk is a prompt after a
 // cached prefix). A query that sees no key (i < Tq - Tk) gets zeros.
@@ -45,7 +48,7 @@
 // and v about once): BR FLOPs per L2 byte.
 //
 // Specializations: T in {__half, __nv_bfloat16} x CAUSAL in {false, true} x Tiles for
-// D in {64, 128}. Wrapper: cupy_kernels/flash_attention.py   Tests: tests/test_flash_attention_gpu.py
+// D in {64, 128} x VARLEN. Wrapper: cupy_kernels/flash_attention.py   Tests: tests/test_flash_attention_gpu.py
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -117,12 +120,12 @@ template <typename T, int D, int ROWS, int THREADS> struct TileLoader {
     }
 };
 
-template <typename T, bool CAUSAL, typename K>
+template <typename T, bool CAUSAL, typename K, bool VARLEN>
 __global__ void __launch_bounds__(K::THREADS)
     flash_attention_kernel(T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k,
                            const T* __restrict__ v, int Tq, int Tk, int H, long long q_sb, int q_st,
                            long long q_sh, long long k_sb, int k_st, long long k_sh, long long v_sb, int v_st,
-                           long long v_sh, float scale) {
+                           long long v_sh, float scale, const int* __restrict__ cu_seqlens) {
     static_assert(sizeof(T) == 2, "16-bit storage types only");
     constexpr int D = K::D, BR = K::BR, BC = K::BC, MT = K::M_TILES, ROW = K::ROW, TILE = K::KV_TILE;
     constexpr int CHUNKS = D / 8;      // 16-byte chunks per row of a tile
@@ -140,6 +143,14 @@ __global__ void __launch_bounds__(K::THREADS)
     // causal: the last query tiles see the most keys; run them first for a shorter tail
     const int q0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BR;
     const int h = blockIdx.y, b = blockIdx.z;
+    if constexpr (VARLEN) {  // sequence b: rows cu_seqlens[b] .. cu_seqlens[b + 1] (batch strides 0)
+        const int s0 = cu_seqlens[b];
+        Tq = Tk = cu_seqlens[b + 1] - s0;
+        if (q0 >= Tq) return;  // the grid covers the longest sequence
+        q += static_cast<long long>(s0) * q_st;
+        k += static_cast<long long>(s0) * k_st;
+        v += static_cast<long long>(s0) * v_st;
+    }
     q += b * q_sb + h * q_sh;
     k += b * k_sb + h * k_sh;
     v += b * v_sb + h * v_sh;
@@ -323,6 +334,13 @@ __global__ void __launch_bounds__(K::THREADS)
         }
     }
 
+    // varlen: the sequence's rows and length read again (kept in registers through the loop
+    // they pushed the largest tiles past 255 registers: ptxas spilled)
+    long long row_base = static_cast<long long>(b) * Tq;  // out's row of the sequence's query 0
+    if constexpr (VARLEN) {
+        row_base = reload_int(cu_seqlens + b);
+        Tq = reload_int(cu_seqlens + b + 1) - static_cast<int>(row_base);
+    }
     // out is a contiguous [B, Tq, H, D] array. Each lane stores 2 elements (4 bytes) per n-tile
     // and row, straight from registers: out is written once while k and v are read Tq / BR
     // times, so a pass through shared memory for 16-byte stores is not worth its barrier.
@@ -336,7 +354,7 @@ __global__ void __launch_bounds__(K::THREADS)
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: zeros
             const int row = row0 + 16 * mt + g + 8 * r;
             if (row >= Tq) continue;
-            T* dst = out + ((static_cast<long long>(b) * Tq + row) * H + h) * D + 2 * t;
+            T* dst = out + ((row_base + row) * H + h) * D + 2 * t;
 #pragma unroll
             for (int n = 0; n < O_TILES; ++n)
                 *reinterpret_cast<unsigned*>(dst + 8 * n) = pack2<T>(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);

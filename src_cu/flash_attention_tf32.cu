@@ -4,7 +4,8 @@
 //   out[b, i, h, :] = sum_j softmax_j(q[b,i,h,:] . k[b,j,h,:] * scale) v[b,j,h,:],   j < Tk
 //
 // causal: query i sees key j only if j <= i + (Tk - Tq) (bottom-right aligned, as in
-// flash_attention.cu); a query that sees no key gets zeros.
+// flash_attention.cu); a query that sees no key gets zeros. VARLEN: packed sequences, each
+// attending to its own rows, as in flash_attention.cu.
 //
 // Products: x = hi + lo, hi = x rounded to tf32, lo = x - hi rounded to tf32 (mma.cuh: the
 // 3xTF32 section), and a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi: three mma.sync.m16n8k8 tf32
@@ -55,7 +56,7 @@
 // 60.3 / 64.9 (not cvt.rna, dropped), Veltkamp's float split 51.3 / 53.9; grouped: GROUP 2 49.9 / 54.3,
 // GROUP 8 48.5 / 50.6, GROUP 4 51.3 / 54.8 (kept, errors alike: 4.7e-7 to 7.1e-7 vs naive 7.4e-7).
 //
-// Specializations: D in {64, 128} x CAUSAL in {false, true}. Registers (compile_for_arch, NVRTC 12.9):
+// Specializations: D in {64, 128} x CAUSAL in {false, true} x VARLEN. Registers (compile_for_arch, NVRTC 12.9):
 // sm_90 227 / 218 / 248 / 244 for <64, false> / <64, true> / <128, false> / <128, true>, no spills.
 // Wrapper: cupy_kernels/flash_attention.py (float32 inputs)   Tests: tests/test_flash_attention_gpu.py
 // Benchmark: benchmarks/attention.py (float32 "ours")
@@ -141,12 +142,12 @@ template <int D, int ROWS> struct TileLoader {
     }
 };
 
-template <int D, bool CAUSAL>
+template <int D, bool CAUSAL, bool VARLEN>
 __global__ void __launch_bounds__(THREADS, 2)
     flash_attention_tf32_kernel(float* __restrict__ out, const float* __restrict__ q, const float* __restrict__ k,
                                 const float* __restrict__ v, int Tq, int Tk, int H, long long q_sb, long long q_st,
                                 long long q_sh, long long k_sb, long long k_st, long long k_sh, long long v_sb,
-                                long long v_st, long long v_sh, float scale) {
+                                long long v_st, long long v_sh, float scale, const int* __restrict__ cu_seqlens) {
     constexpr int KEYS = BC<D>;      // keys per tile
     constexpr int KSTEPS = D / 8;    // k-steps of S = Q K^T
     constexpr int S_TILES = KEYS / 8;  // n-tiles of S (8 keys each)
@@ -163,6 +164,14 @@ __global__ void __launch_bounds__(THREADS, 2)
     // causal: the last query tiles see the most keys; run them first for a shorter tail
     const int q0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BR;
     const int h = blockIdx.y, b = blockIdx.z;
+    if constexpr (VARLEN) {  // sequence b: rows cu_seqlens[b] .. cu_seqlens[b + 1] (batch strides 0)
+        const int s0 = cu_seqlens[b];
+        Tq = Tk = cu_seqlens[b + 1] - s0;
+        if (q0 >= Tq) return;  // the grid covers the longest sequence
+        q += static_cast<long long>(s0) * q_st;
+        k += static_cast<long long>(s0) * k_st;
+        v += static_cast<long long>(s0) * v_st;
+    }
     q += b * q_sb + h * q_sh;
     k += b * k_sb + h * k_sh;
     v += b * v_sb + h * v_sh;
@@ -314,6 +323,13 @@ __global__ void __launch_bounds__(THREADS, 2)
         }
     }
 
+    // varlen: the sequence's rows and length read again (kept in registers through the loop
+    // they pushed the largest tiles past 255 registers: ptxas spilled)
+    long long row_base = static_cast<long long>(b) * Tq;  // out's row of the sequence's query 0
+    if constexpr (VARLEN) {
+        row_base = reload_int(cu_seqlens + b);
+        Tq = reload_int(cu_seqlens + b + 1) - static_cast<int>(row_base);
+    }
     // out is a contiguous [B, Tq, H, D] array; each lane stores 2 floats (8 bytes) per n-tile and row
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -323,7 +339,7 @@ __global__ void __launch_bounds__(THREADS, 2)
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: zeros
         const int row = q0 + 16 * warp + g + 8 * r;
         if (row >= Tq) continue;
-        float* dst = out + ((static_cast<long long>(b) * Tq + row) * H + h) * D + 2 * t;
+        float* dst = out + ((row_base + row) * H + h) * D + 2 * t;
 #pragma unroll
         for (int n = 0; n < O_TILES; ++n)
             *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);

@@ -152,3 +152,39 @@ def test_flash_attention_bad_inputs_raise_before_launch():
     q32 = cp.ones((1, 8, 2, 64), np.float32)
     with pytest.raises(ValueError, match="8-byte boundary"):  # float32 pairs are stored as 8 bytes
         K.flash_attention(q32, q32, q32, out=cp.empty(q32.size + 1, np.float32)[1:].reshape(q32.shape))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", [64, 128])
+def test_flash_attention_varlen_packed_sequences(D, dtype):
+    """cu_seqlens: ragged prompts (an empty one among them) packed along time in one fused
+    buffer, each attending causally to its own keys only: every sequence within the error
+    rule of the reference run on it alone, and with the bits flash_attention gives it alone."""
+    lens = [1, 7, 0, 130, 65, 64, 300, 129]
+    T, H = sum(lens), 3
+    rng = np.random.default_rng(D + len(lens))
+    (q, k, v), (qh, kh, vh) = fused(rng, 1, T, H, D, dtype)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    out = poisoned((1, T, H, D), dtype)
+    assert K.flash_attention(q, k, v, causal=True, cu_seqlens=cp.asarray(cu, dtype=cp.int32), out=out) is out
+    scale = 1 / math.sqrt(D)
+    for a, b in zip(cu[:-1], cu[1:]):
+        if a == b:
+            continue
+        seq = out[:, a:b]
+        check(seq, q[:, a:b], k[:, a:b], v[:, a:b], ref.attention(qh[:, :, a:b], kh[:, :, a:b], vh[:, :, a:b], True,
+                                                                  scale), True, scale)
+        assert cp.array_equal(seq, K.flash_attention(q[:, a:b], k[:, a:b], v[:, a:b], causal=True))
+
+
+def test_flash_attention_varlen_bad_offsets_raise():
+    q = cp.ones((1, 8, 2, 64), np.float16)
+    for cu, match in (([0, 3, 9], "rise from 0 to T"), ([1, 8], "rise from 0"), ([0, 5, 3, 8], "without falling"),
+                      ([8], "n \\+ 1 >= 2"), (np.array([0.0, 8.0]), "integer")):
+        with pytest.raises(ValueError, match=match):
+            K.flash_attention(q, q, q, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="causal"):
+        K.flash_attention(q, q, q, causal=False, cu_seqlens=[0, 8])
+    with pytest.raises(ValueError, match="\\[1, T, H, D\\]"):
+        q2 = cp.ones((2, 8, 2, 64), np.float16)
+        K.flash_attention(q2, q2, q2, cu_seqlens=[0, 8])
