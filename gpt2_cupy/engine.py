@@ -146,10 +146,13 @@ class Engine:
         self.model = model
         self._sessions: collections.OrderedDict[tuple, list[Session]] = collections.OrderedDict()
 
+    def _key(self, B: int, n_max: int, kv_dtype, sampling, cuda_graph) -> tuple:
+        """The session bucket of a call: (batch rows, cache rows, kv dtype, sampling, graph)."""
+        return (batch_bucket(B), length_bucket(n_max, self.model.config.n_positions), kv_dtype,
+                None if sampling is None else tuple(sorted(sampling.items())), bool(cuda_graph))
+
     def _acquire(self, B: int, n_max: int, kv_dtype, sampling, cuda_graph) -> Session:
-        cfg = self.model.config
-        key = (batch_bucket(B), length_bucket(n_max, cfg.n_positions), kv_dtype,
-               None if sampling is None else tuple(sorted(sampling.items())), bool(cuda_graph))
+        key = self._key(B, n_max, kv_dtype, sampling, cuda_graph)
         pool = self._sessions.setdefault(key, [])
         self._sessions.move_to_end(key)
         for s in pool:
@@ -310,8 +313,8 @@ class Engine:
         from cupy_kernels import kv_storage_dtype
 
         cfg, dtype = self.model.config, self.model.dtype
-        B, S = batch_bucket(batch), length_bucket(n_max, cfg.n_positions)
-        key = (B, S, kv_dtype, None if sampling is None else tuple(sorted(sampling.items())), bool(cuda_graph))
+        key = self._key(batch, n_max, kv_dtype, sampling, cuda_graph)
+        B, S = key[0], key[1]
         if any(not s.busy for s in self._sessions.get(key, ())):
             return
         storage = kv_storage_dtype(kv_dtype, dtype)
