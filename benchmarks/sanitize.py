@@ -80,6 +80,15 @@ def main():
                 K.linear(x, r(3 * H * D, Kd, dtype=dtype), ln=ln, kv_cache={
                     "k_cache": kc, "v_cache": vc, "positions": cp.arange(B, dtype=np.int32) % 9,
                     "seq_lens": cp.zeros(B, dtype=np.int32)})
+        if dtype != np.float32:  # the prefill's products: ragged M, N and K, odd N, every tile shape
+            from cupy_kernels.gemm import TILES
+
+            for M, N, Kd in ((1, 64, 64), (130, 257, 200), (67, 130, 72)):
+                x, wt, bias = r(M, Kd, dtype=dtype), r(N, Kd, dtype=dtype), r(N, dtype=dtype)
+                for name, t in TILES.items():
+                    if t.smem_bytes <= _build.smem_optin():
+                        K.gemm(x, wt, tiles=name)
+                        K.gemm(x, wt, bias, gelu=True, tiles=name)
         logits = r(3, 50257, dtype=dtype)
         K.argmax(logits)
         K.sample(logits, seed=1, offset=0, temperature=0.9, top_k=40, top_p=0.9)

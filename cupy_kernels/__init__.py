@@ -9,6 +9,7 @@ from .attention import causal_attention
 from .decode_attention import decode_attention
 from .embedding import embedding
 from .flash_attention import flash_attention
+from .gemm import gemm
 from .gelu import bias_add, bias_gelu
 from .kv_cache import kv_advance, kv_append, kv_storage_dtype
 from .layernorm import layernorm, layernorm_residual
@@ -25,6 +26,7 @@ __all__ = [
     "decode_attention",
     "embedding",
     "flash_attention",
+    "gemm",
     "kv_advance",
     "kv_append",
     "kv_storage_dtype",

@@ -85,6 +85,12 @@ def row_vec_width(dtype, *rows) -> int:
     return 16 // numpy.dtype(dtype).itemsize
 
 
+def overlaps(a: cupy.ndarray, b: cupy.ndarray) -> bool:
+    """Whether the memory spans of two arrays meet."""
+    a0, b0 = a.data.ptr, b.data.ptr
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
 def output(out, name: str, shape: tuple[int, ...], dtype) -> cupy.ndarray:
     """``out`` checked against shape and dtype, or a new uninitialized array."""
     if out is None:

@@ -179,11 +179,6 @@ def _batch_rows(B: int, K: int) -> int:
     return want[0] if want else fits[-1]
 
 
-def _overlaps(a: cupy.ndarray, b: cupy.ndarray) -> bool:
-    a0, b0 = a.data.ptr, b.data.ptr
-    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
-
-
 def _prepare(x, weight, bias, ln):
     """Checked (x, weight, bias, ln as (w, b, eps) or None) and the sizes B, N, K."""
     x = _checks.float_array(x, "x", ndim=2)
@@ -395,9 +390,9 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, residual=None, 
             raise ValueError("kv_cache is fused with the LayerNorm prologue: pass ln too")
         kv = _check_kv(kv_cache, x, B, N)
     out = _checks.output(out, "out", (B, N), out_dtype)
-    if _overlaps(out, x) and B and N and K:
+    if _checks.overlaps(out, x) and B and N and K:
         raise ValueError("out must not overlap x (x is read by every block while outputs are written)")
-    if residual is not None and _overlaps(out, residual) and out.data.ptr != residual.data.ptr:
+    if residual is not None and _checks.overlaps(out, residual) and out.data.ptr != residual.data.ptr:
         raise ValueError("out must be residual itself or not overlap it")
     if B == 0 or N == 0:
         return out
