@@ -129,7 +129,7 @@ def one_token(size, dtype, repeats: int = 20) -> dict:
     """A warm generate call that makes one token (its session is kept by the model),
     beside the prefill alone (the prompt's forward on the same model, no cache)."""
     model = ours_model(size, dtype)
-    ids = cupy.asarray(PROMPT, dtype=cupy.int32)
+    ids = [numpy.asarray(PROMPT)]
     out = cupy.empty((1, model.config.n_embd), dtype=model.dtype)
 
     def best(fn):
@@ -144,7 +144,7 @@ def one_token(size, dtype, repeats: int = 20) -> dict:
         return min(times)
 
     call = best(lambda: model.generate(PROMPT, 1))
-    prefill = best(lambda: model._prefill(ids, None, 0, out))
+    prefill = best(lambda: model._prefill(ids, None, None, out))
     return {"seconds": round(call, 6), "prefill_seconds": round(prefill, 6),
             "beyond_prefill_ms": round((call - prefill) * 1e3, 3)}
 

@@ -15,11 +15,13 @@ from ._build import f32, i32
 _SRC = "layernorm.cu"
 
 
-# Vectors per thread, loaded together (benchmarks/results/row_tuning-h200.json): 4 when
-# there are rows enough to fill the GPU (float16 16384 x 4096: 74.9 us; 2: 95.4 us; 8:
-# 108.1 us); with fewer rows than SMs the time is latency, and 2 spreads each row over
-# twice the threads (float16 8 x 1024: 4.93 us vs 6.08 us with 4). The residual form
-# loads 2 each of x and y (the same bytes in flight; 4 of each spilled at 1024 threads).
+# Vectors per thread, loaded together (benchmarks/results/row_tuning-h200.json): 4 (float16
+# 16384 x 4096: 74.9 us; 2: 95.4 us; 8: 108.1 us). With fewer rows than SMs 2 was faster
+# (float16 8 x 1024: 4.93 us vs 6.08 us with 4), but the threads a row is spread over set
+# its sums' order, and a row's bits must not depend on how many rows come with it (prompts
+# prefilled together get the numbers they get alone), so u follows the columns alone; the
+# 2 of few rows stays declared for benchmarks/row_tuning.py. The residual form loads 2 each
+# of x and y (the same bytes in flight; 4 of each spilled at 1024 threads).
 _U, _U_FEW_ROWS, _U_RESIDUAL = 4, 2, 2
 
 
@@ -45,9 +47,7 @@ def _launch(out, sum_out, x, y, bias, weight, b, eps, u: int | None = None, in_r
     vec = _checks.row_vec_width(x.dtype, out, sum_out, x, y)
     chunks = _build.cdiv(C, vec)
     if u is None:
-        u = _U_RESIDUAL if y is not None else _U_FEW_ROWS if rows < _build.sm_count(x.device.id) else _U
-        if y is None and chunks > 1024 * u:
-            u = _U
+        u = _U_RESIDUAL if y is not None else _U
     if in_regs is None:
         in_regs = chunks <= 1024 * u  # the row fits in the block's registers
     kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), vec, y is not None, in_regs, u))

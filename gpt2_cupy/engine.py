@@ -12,10 +12,11 @@ A sequence that ends (end-of-text) may cost a few steps of wasted GPU work; the 
 returned are exact.
 
 Continuous batching (:meth:`Engine.continuous`): more prompts than slots. A session of
-``max_batch`` slots and one captured step; a prompt is prefilled into a free slot (its
-first token from a one-row LM head) while the other slots keep their place in the
-pipeline, and the slot is refilled when its sequence ends. Every sequence gets the tokens
-it gets alone (greedy): the step's numbers never depend on the batch.
+``max_batch`` slots and one captured step; the next prompts are prefilled together into
+the free slots (their first tokens from an LM head over their rows) while the other slots
+keep their place in the pipeline, and a slot is refilled when its sequence ends. Every
+sequence gets the tokens it gets alone (greedy): neither the prefill's numbers nor the
+step's depend on the batch.
 """
 
 from __future__ import annotations
@@ -106,17 +107,19 @@ class Session:
         self.pinned = cupyx.empty_pinned((LOOKAHEAD, batch), dtype=numpy.int32)
         self.events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(LOOKAHEAD)]
         self.busy = False
-        self._model, self._sampling, self._row = model, sampling, None
+        self._model, self._sampling, self._heads = model, sampling, {}
 
-    def row_head(self):
-        """(buffers of one row, the LM head recorded on them): a refilled slot's first token."""
-        if self._row is None:
+    def rows_head(self, k: int):
+        """(buffers of batch_bucket(k) rows, the LM head recorded on them): the first tokens
+        of k refilled slots, from rows 0 .. k - 1 of its x."""
+        rows = batch_bucket(k)
+        if rows not in self._heads:
             with self.stream:
-                buf = DecodeBuffers(self._model.config, 1, self._model.dtype)
+                buf = DecodeBuffers(self._model.config, rows, self._model.dtype)
                 with _build.recording() as plan:
                     self._model.head(buf, self._sampling)
-            self._row = (buf, plan)
-        return self._row
+            self._heads[rows] = (buf, plan)
+        return self._heads[rows]
 
     def run_step(self) -> None:
         """One decode step on the session's stream."""
@@ -189,8 +192,8 @@ class Engine:
         seqs_done = [False] * B
         try:
             with s.stream:
-                for b, r in enumerate(rows):  # each prompt alone: its last residual into row b of x
-                    self.model._prefill(cupy.asarray(r, dtype=numpy.int32), s.cache, b, s.buf.x[b:b + 1])
+                # the prompts packed: prompt b's keys and values into cache row b, its last residual into row b of x
+                self.model._prefill(rows, s.cache, list(range(B)), s.buf.x[:B])
                 positions = numpy.zeros(s.batch, dtype=numpy.int32)  # rows past B: idle sequences at 0
                 positions[:B] = [r.size for r in rows]
                 s.cache.positions.set(positions)
@@ -244,7 +247,6 @@ class Engine:
             idle[slot] = 0
 
         try:
-            row_buf, row_head = s.row_head()
             if progress:
                 from tqdm.auto import tqdm
 
@@ -255,19 +257,24 @@ class Engine:
             while pending or inflight or any(h is not None for h in holder):
                 free = [slot for slot in range(slots) if holder[slot] is None]
                 if pending and free and len(inflight) < LOOKAHEAD:
-                    attrib = {}
-                    for slot in free[:len(pending)]:  # prefill alone, first token from a one-row head
-                        p = pending.popleft()
-                        with s.stream:
-                            self.model._prefill(cupy.asarray(rows[p], dtype=numpy.int32), s.cache, slot, row_buf.x)
-                            if sampling is not None:  # random numbers (offset, row): prompt p's own offsets
-                                row_buf.offsets.fill(p << 32)
-                            row_head.replay()
-                            s.buf.tokens[slot:slot + 1] = row_buf.tokens
-                            if sampling is not None:
-                                s.buf.offsets[slot:slot + 1] = row_buf.offsets
-                            s.cache.positions[slot:slot + 1].fill(rows[p].size)
-                        holder[slot], issued[p], attrib[slot] = p, 1, p
+                    # the next prompts into the free slots: prefilled together, first tokens from a head of their rows
+                    take = free[:len(pending)]
+                    ps = [pending.popleft() for _ in take]
+                    buf, head = s.rows_head(len(ps))
+                    k = len(ps)
+                    with s.stream:
+                        self.model._prefill([rows[p] for p in ps], s.cache, take, buf.x[:k])
+                        if sampling is not None:  # random numbers (offset, row): prompt p's own offsets
+                            buf.offsets[:k].set(numpy.asarray(ps, dtype=numpy.uint64) << numpy.uint64(32))
+                        head.replay()
+                        at = cupy.asarray(numpy.asarray(take, dtype=numpy.int32))
+                        s.buf.tokens[at] = buf.tokens[:k]
+                        if sampling is not None:
+                            s.buf.offsets[at] = buf.offsets[:k]
+                        s.cache.positions[at] = cupy.asarray(numpy.asarray([rows[p].size for p in ps], numpy.int32))
+                    attrib = dict(zip(take, ps))
+                    for slot, p in attrib.items():
+                        holder[slot], issued[p] = p, 1
                         del idle[slot]
                     send(attrib)
                     for slot, p in attrib.items():
@@ -306,10 +313,10 @@ class Engine:
             if bar is not None:
                 bar.close()
 
-    def fits(self, batch: int, n_max: int, prompt_max: int, kv_dtype, sampling, cuda_graph) -> None:
+    def fits(self, batch: int, n_max: int, prefill_tokens: int, kv_dtype, sampling, cuda_graph) -> None:
         """MemoryError, before anything runs, when a session for ``batch`` sequences of up to
-        ``n_max`` tokens (prompts of up to ``prompt_max``) cannot be allocated in the GPU
-        memory free now. An idle session of the same bucket is reused: nothing to check."""
+        ``n_max`` tokens (prefills of up to ``prefill_tokens`` tokens at once) cannot be
+        allocated in the GPU memory free now. An idle session of the same bucket is reused: nothing to check."""
         from cupy_kernels import kv_storage_dtype
 
         cfg, dtype = self.model.config, self.model.dtype
@@ -320,8 +327,8 @@ class Engine:
         storage = kv_storage_dtype(kv_dtype, dtype)
         rows = cfg.n_layer * B * cfg.n_head * S
         need = 2 * rows * cfg.head_dim * storage.itemsize + (2 * rows * 4 if storage != dtype else 0)
-        need += (B + 1) * (cfg.vocab_size * 4 + 9 * cfg.n_embd * dtype.itemsize)  # the step's and a row head's buffers
-        need += prompt_max * 16 * cfg.n_embd * 4  # a prefill's activations (q|k|v, MLP, attention; float32 bound)
+        need += 3 * B * (cfg.vocab_size * 4 + 9 * cfg.n_embd * dtype.itemsize)  # the step's and the heads' buffers
+        need += prefill_tokens * 16 * cfg.n_embd * 4  # a prefill's activations (q|k|v, MLP, attention; float32 bound)
         free = free_bytes()
         if need > free:  # idle sessions give their memory back first
             while self._evict_one():
@@ -342,8 +349,7 @@ class Engine:
         seqs = [list(map(int, r)) for r in rows]
         done = [False] * B
         for _ in range(max_new_tokens):
-            for b in range(B):
-                m._prefill(cupy.asarray(seqs[b], dtype=numpy.int32), None, b, buf.x[b:b + 1])
+            m._prefill([numpy.asarray(sq) for sq in seqs], None, None, buf.x)
             head.replay()
             step = _emit(buf.tokens.get(), done, eos_token_id)
             for b, t in enumerate(step):

@@ -4,9 +4,11 @@ Shapes: B sequences, T tokens, C = n_embd, H heads of D = C / H, V vocabulary.
 Linear weights are stored (out, in), the transpose of GPT-2's Conv1D layout, so that the
 decode step's products stream each weight row once and the LM head reads ``wte`` as is.
 
-Prefill runs each prompt on its own (cuBLAS matrix products through CuPy, the project's
-kernels for everything else: attention on tensor cores in float16 / bfloat16, on CUDA
-cores in float32), so a prompt's numbers never depend on what it is batched
+Prefill packs prompts along time, without padding, and runs one forward over all of them:
+float16 / bfloat16 products on the project's tensor-core gemm (a row's bits never depend on
+the rows beside it), attention by flash_attention with each prompt's offsets, keys and values
+scattered into each prompt's cache row. float32 prefills each prompt alone, its products on
+cuBLAS through CuPy. Either way a prompt's numbers never depend on what it is batched
 with. The decode step runs every sequence at once on preallocated buffers with the
 project's kernels only: it is recorded once as a launch plan and replayed for each token,
 optionally as a CUDA graph.
@@ -25,6 +27,19 @@ from cupy_kernels import _build
 from cupy_kernels.decode_attention import launch_config
 
 from .config import SIZES, GPT2Config
+
+# tokens of one packed prefill forward: enough rows to fill the GPU with every product (GPT-2
+# small's 768-wide ones are 384 tiles of 128 x 128 at 8,192 rows), while its activations stay
+# at about 16 C float32 values a token (GPT-2 XL: 0.8 GiB)
+PREFILL_TOKENS = 8192
+
+# Splits of each sequence's cache in the decode step's attention, whatever the batch. One
+# sequence alone would take 16 (GPT-2 at 1,024 positions), but at batch 64 that makes 12,288
+# blocks of one trip each. H100, GPT-2 small float16, us a layer in a CUDA graph, 16 / 4
+# splits of 128-thread blocks (benchmarks/results/decode_splits-h100.json): batch 1 with 264
+# cached keys 4.3 / 4.3, with 1,000 4.6 / 5.1; batch 64 43.9 / 26.0 and 74.4 / 70.2; batch
+# 256 165.9 / 93.5 and 292.4 / 263.7.
+DECODE_SPLITS = 4
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -172,9 +187,20 @@ class GPT2:
     # ---------------------------------------------------------------------------------
     # forward passes
     # ---------------------------------------------------------------------------------
-    def _matmul(self, x: cupy.ndarray, w: cupy.ndarray) -> cupy.ndarray:
-        """x [T, K] @ w.T for w [N, K] (out, in): cuBLAS through CuPy for prefill."""
-        return cupy.matmul(x, w.T)
+    def _matmul(self, x: cupy.ndarray, w: cupy.ndarray, bias: cupy.ndarray | None = None,
+                gelu: bool = False) -> cupy.ndarray:
+        """x [T, K] @ w.T (+ bias, then GELU) for w [N, K] (out, in): the prefill's products.
+        float16 / bfloat16 on the project's tensor-core gemm, whose bits for a row do not
+        depend on the other rows, so prompts packed together get the numbers they get alone;
+        float32 through cuBLAS (CuPy), whose do, one prompt at a time (prefill_groups)."""
+        if self.dtype != numpy.float32:
+            return K.gemm(x, w, bias, gelu=gelu)
+        y = cupy.matmul(x, w.T)
+        if gelu:
+            K.bias_gelu(y, bias, out=y)
+        elif bias is not None:
+            K.bias_add(y, bias, out=y)
+        return y
 
     def _next_ln(self, i: int) -> tuple[cupy.ndarray, cupy.ndarray]:
         """The LayerNorm after block i: the next block's ln_1, or ln_f after the last."""
@@ -182,40 +208,74 @@ class GPT2:
             return self.ln_f_w, self.ln_f_b
         return self.blocks[i + 1].ln_1_w, self.blocks[i + 1].ln_1_b
 
-    def _prefill(self, ids: cupy.ndarray, cache: KVCache | None, slot: int, out_last: cupy.ndarray | None):
-        """Forward over one sequence's tokens ids [T] (int32, on the GPU).
+    def prefill_groups(self, lengths) -> list[tuple[int, int]]:
+        """How prompts of these lengths are prefilled: runs [lo, hi) of consecutive prompts,
+        each run one forward over its tokens packed together, of at most PREFILL_TOKENS
+        tokens (or one longer prompt). float32 prefills each prompt alone."""
+        groups, lo, tokens = [], 0, 0
+        for i, n in enumerate(lengths):
+            if i > lo and (self.dtype == numpy.float32 or tokens + n > PREFILL_TOKENS):
+                groups.append((lo, i))
+                lo, tokens = i, 0
+            tokens += n
+        if lo < len(lengths):
+            groups.append((lo, len(lengths)))
+        return groups
 
-        Appends keys and values to cache row ``slot`` when a cache is given. Writes the
-        residual stream of the last token after the last block (before the final
-        LayerNorm, which the LM head applies itself) into ``out_last`` [1, C] and returns
-        None, or, when out_last is None, returns the final-layernorm output of every
-        token [T, C].
+    def prefill_tokens(self, lengths, at_once: int) -> int:
+        """The most tokens one forward packs when up to ``at_once`` prompts of these lengths
+        are prefilled together (a bound for the memory check)."""
+        longest = max(lengths)
+        if self.dtype == numpy.float32:
+            return longest
+        return max(longest, min(PREFILL_TOKENS, sum(sorted(lengths)[-at_once:])))
+
+    def _prefill(self, rows, cache: KVCache | None, slots, out_last: cupy.ndarray) -> None:
+        """Forward over prompts ``rows`` (host int arrays), packed (prefill_groups).
+
+        Appends prompt i's keys and values to cache row ``slots[i]`` when a cache is given,
+        and writes its last token's residual stream after the last block (before the final
+        LayerNorm, which the LM head applies itself) into ``out_last[i]`` ([n, C]).
+        """
+        for lo, hi in self.prefill_groups([r.size for r in rows]):
+            self._forward(rows[lo:hi], cache, None if slots is None else slots[lo:hi], out_last[lo:hi])
+
+    def _forward(self, rows, cache: KVCache | None, slots, out_last: cupy.ndarray | None):
+        """One forward over the tokens of prompts ``rows`` concatenated along time (no padding):
+        every product over all of them at once, attention by ``flash_attention``'s
+        ``cu_seqlens`` so that no prompt sees another's keys, each token's key and value into
+        its prompt's cache row. With ``out_last`` ([n, C]) writes each prompt's last residual
+        there (see _prefill) and returns None; without, returns the final-LayerNorm output of
+        every token [T, C].
         """
         cfg = self.config
-        T, C, H, D, eps = ids.shape[0], cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
-        positions = cupy.arange(T, dtype=numpy.int32)
+        C, H, D, eps = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
+        lengths = numpy.array([r.size for r in rows], dtype=numpy.int32)
+        cu_seqlens = numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32)  # [n + 1]
+        T = int(cu_seqlens[-1])
+        ids = cupy.asarray(numpy.concatenate(rows).astype(numpy.int32))  # [T]
+        positions = cupy.asarray(numpy.concatenate([numpy.arange(n, dtype=numpy.int32) for n in lengths]))
         x = K.embedding(ids, self.wte, self.wpe, positions)  # [T, C] residual stream
         h = K.layernorm(x, self.blocks[0].ln_1_w, self.blocks[0].ln_1_b, eps=eps)
-        if cache is not None:
-            slots = cupy.full(1, slot, dtype=numpy.int32)
-            start = cupy.zeros(1, dtype=numpy.int32)
+        if cache is not None:  # each token's cache row: its prompt's slot, at its position
+            token_slots = cupy.asarray(numpy.repeat(numpy.asarray(slots, dtype=numpy.int32), lengths))
+        last = cupy.asarray(cu_seqlens[1:] - 1)  # each prompt's last token
         for i, blk in enumerate(self.blocks):
-            qkv = self._matmul(h, blk.attn_w)  # [T, 3C]
-            K.bias_add(qkv, blk.attn_b, out=qkv)
+            qkv = self._matmul(h, blk.attn_w, blk.attn_b)  # [T, 3C]
             q, k, v = (qkv.reshape(1, T, 3, H, D)[:, :, j] for j in range(3))  # [1, T, H, D] views
-            if cache is not None:
-                K.kv_append(k=k, v=v, start=start, slots=slots, **cache.layer(i))
-            a = K.flash_attention(q, k, v, causal=True)  # [1, T, H, D], tensor cores (float32: 3xTF32)
+            if cache is not None:  # every token a sequence of one: [T, 1, H, D] views
+                kv = qkv.reshape(T, 1, 3, H, D)
+                K.kv_append(k=kv[:, :, 1], v=kv[:, :, 2], start=positions, slots=token_slots, **cache.layer(i))
+            a = K.flash_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)  # [1, T, H, D]
             y = self._matmul(a.reshape(T, C), blk.attn_proj_w)  # [T, C]
             x, h = K.layernorm_residual(x, y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b,
                                         eps=eps, sum_out=x)
-            f = self._matmul(h, blk.fc_w)  # [T, 4C]
-            K.bias_gelu(f, blk.fc_b, out=f)
+            f = self._matmul(h, blk.fc_w, blk.fc_b, gelu=True)  # [T, 4C]
             y = self._matmul(f, blk.mlp_proj_w)  # [T, C]
             ln_w, ln_b = self._next_ln(i)
-            if i == cfg.n_layer - 1 and out_last is not None:  # only the last token's residual is needed
-                K.layernorm_residual(x[-1:], y[-1:], ln_w, ln_b, proj_bias=blk.mlp_proj_b, eps=eps,
-                                     out=h[-1:], sum_out=out_last)
+            if i == cfg.n_layer - 1 and out_last is not None:  # only the last tokens' residuals are needed
+                K.layernorm_residual(x[last], y[last], ln_w, ln_b, proj_bias=blk.mlp_proj_b, eps=eps,
+                                     sum_out=out_last)
                 return None
             x, h = K.layernorm_residual(x, y, ln_w, ln_b, proj_bias=blk.mlp_proj_b, eps=eps, sum_out=x)
         return h
@@ -224,11 +284,10 @@ class GPT2:
         """Full forward without cache: logits [B, T, V] in the model's dtype for input_ids
         [B, T] or [T] (then [T, V])."""
         rows, single = check_input_ids(input_ids, self.config, allow_ragged=False)
-        outs = []
-        for ids in rows:
-            h = self._prefill(cupy.asarray(ids, dtype=numpy.int32), None, 0, None)  # [T, C]
-            outs.append(self._matmul(h, self.lm_head))  # [T, V]
-        return outs[0] if single else cupy.stack(outs)
+        outs = [self._matmul(self._forward(rows[lo:hi], None, None, None), self.lm_head)  # [tokens, V]
+                for lo, hi in self.prefill_groups([r.size for r in rows])]
+        out = cupy.concatenate(outs).reshape(len(rows), rows[0].size, -1)
+        return out[0] if single else out
 
     # ---------------------------------------------------------------------------------
     # generation
@@ -259,13 +318,14 @@ class GPT2:
         cfg = self.config
         B, C, H, D, eps = buf.x.shape[0], cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
         qkv = buf.qkv.reshape(B, 1, 3, H, D)  # view: [B, T=1, 3, H, D]
-        # split each sequence's cache and size its blocks as if it ran alone in a cache of the
-        # model's full length, so that its numbers (and tokens) depend neither on what it is
-        # batched with nor on the cache-length bucket (the chunks follow the split count and
-        # the sequence's own length); merge the splits with a second kernel: GPT-2 small at
-        # B = 1 took 2.8 + 1.7 us a layer that way in a CUDA graph, 5.0 us with the last-block
-        # merge (benchmarks/decode_step.py, H100)
+        # one split count and block width for every batch and cache bucket, so that a
+        # sequence's numbers (and tokens) depend neither on what it is batched with nor on the
+        # bucket (the chunks follow the split count and the sequence's own length): the block
+        # width decode_attention picks for one sequence in the model's full length, and at
+        # most DECODE_SPLITS splits, merged by a second kernel (GPT-2 small at B = 1: 2.8 + 1.7
+        # us a layer in a CUDA graph, 5.0 us with the last-block merge; decode_step.py, H100)
         alone = launch_config(self.dtype, cache.k.dtype, 1, H, H, D, cfg.n_positions)
+        splits = min(alone.splits, DECODE_SPLITS)
         with _build.recording() as plan:
             K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x)
             for i, blk in enumerate(self.blocks):
@@ -278,7 +338,7 @@ class GPT2:
                     K.linear(buf.x, blk.attn_w, blk.attn_b, ln=ln_1, out=buf.qkv)
                     K.kv_append(k=qkv[:, :, 1], v=qkv[:, :, 2], start=cache.positions, seq_lens=cache.lengths,
                                 **cache.layer(i))
-                K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, num_splits=alone.splits,
+                K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, num_splits=splits,
                                    threads=alone.threads, merge="kernel", out=buf.att, **cache.layer(i))
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x)
                 K.linear(buf.x, blk.fc_w, blk.fc_b, ln=(blk.ln_2_w, blk.ln_2_b, eps), gelu=True, out=buf.f)
@@ -334,8 +394,8 @@ class GPT2:
         CUDA graph; False launches its recorded kernels one by one. ``kv_cache_dtype``: None
         keeps keys and values in the model's dtype; 'int8' or 'fp8' (e4m3) quantizes each
         cached row with a scale of its own (about half the cache bytes of fp16).
-        Prompts are run one by one and decoding treats each row independently, so a batch
-        gives each sequence the same tokens as running it alone (greedy; sampling draws a
+        Prompts are prefilled together, packed, and every kernel treats each row on its own,
+        so a batch gives each sequence the same tokens as running it alone (greedy; sampling draws a
         different random stream per row).
 
         ``max_batch``: continuous batching. At most that many sequences decode at once; a
@@ -389,7 +449,8 @@ class GPT2:
         if do_sample:
             sampling = {"seed": seed, "temperature": float(temperature), "top_k": top_k,
                         "top_p": None if top_p is None else float(top_p)}
-        self.engine.fits(slots, max(len(r) + m for r, m in zip(rows, budgets)), max(len(r) for r in rows),
+        self.engine.fits(slots, max(len(r) + m for r, m in zip(rows, budgets)), 
+                         self.prefill_tokens([len(r) for r in rows], slots),
                          kv_cache_dtype, sampling, cuda_graph)
         show = len(rows) > slots if progress is None else bool(progress)
         for p, t in self.engine.continuous(rows, budgets, sampling, eos_token_id, slots, cuda_graph, kv_cache_dtype,

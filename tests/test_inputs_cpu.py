@@ -136,3 +136,30 @@ def test_max_new_tokens_per_prompt():
         check_budgets(rows, [True, 1])
     with pytest.raises(ValueError, match="sequence 0"):
         check_budgets(rows, 2.5)
+
+
+def test_prefill_groups_pack_prompts_up_to_the_token_budget():
+    from types import SimpleNamespace
+
+    from gpt2_cupy.model import GPT2, PREFILL_TOKENS
+
+    half = SimpleNamespace(dtype=np.dtype(np.float16))
+    lengths = [1000, 5000, 2500, 700, 8192, 1, 1]
+    groups = GPT2.prefill_groups(half, lengths)
+    assert groups == [(0, 2), (2, 4), (4, 5), (5, 7)]
+    assert all(sum(lengths[lo:hi]) <= PREFILL_TOKENS for lo, hi in groups)
+    assert GPT2.prefill_groups(half, [3]) == [(0, 1)]
+    single = SimpleNamespace(dtype=np.dtype(np.float32))  # float32: every prompt alone
+    assert GPT2.prefill_groups(single, [3, 4, 5]) == [(0, 1), (1, 2), (2, 3)]
+    # the memory check's bound: the largest pack of at most `at_once` prompts
+    assert GPT2.prefill_tokens(half, [10, 20, 30], 2) == 50
+    assert GPT2.prefill_tokens(half, [8000, 9000 - 8000, 500], 3) == PREFILL_TOKENS
+    assert GPT2.prefill_tokens(single, [10, 20, 30], 3) == 30
+
+
+def test_gemm_tiles_fill_the_gpu():
+    from cupy_kernels.gemm import TILES, gemm_tiles
+
+    assert TILES[gemm_tiles(8000, 2304, 132)].bm == 128
+    assert TILES[gemm_tiles(12, 768, 132)].bm == 64
+    assert all(t.smem_bytes <= 99 * 1024 for t in (TILES[gemm_tiles(12, 768, 132)], TILES[gemm_tiles(9000, 9000, 1)]))

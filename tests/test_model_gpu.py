@@ -109,6 +109,39 @@ def test_batch_equals_one_by_one_on_tensor_cores(small, dtype):
     assert model.generate(prompts[:9], 24) == alone[:9]
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_packed_prefill_equals_each_prompt_alone(small, dtype, monkeypatch):
+    """Prompts prefilled together (one forward over their tokens packed along time, or
+    several when they exceed the token budget) leave in the cache and in the last residuals
+    exactly the bits each prompt leaves alone."""
+    import gpt2_cupy.model as M
+
+    hf, _ = small
+    model = GPT2.from_hf(hf, dtype)
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(0, 50257, int(n)) for n in (1, 37, 200, 5, 129, 64)]
+    slots = [4, 0, 2, 5, 1, 3]
+    C, n = model.config.n_embd, len(rows)
+
+    def run(groups_of):
+        cache = M.KVCache(model.config, n, 256, model.dtype)
+        cache.k.fill(0)
+        cache.v.fill(0)
+        last = cp.full((n, C), np.nan, dtype=np.float32).astype(model.dtype)
+        for lo, hi in groups_of:
+            model._prefill(rows[lo:hi], cache, slots[lo:hi], last[lo:hi])
+        return cache, last
+
+    alone_cache, alone_last = run([(i, i + 1) for i in range(n)])
+    assert bool(cp.isfinite(alone_last.astype(cp.float32)).all())
+    for budget in (M.PREFILL_TOKENS, 200):  # one forward (float16 / bfloat16), then packs of <= 200 tokens
+        monkeypatch.setattr(M, "PREFILL_TOKENS", budget)
+        cache, last = run([(0, n)])
+        assert cp.array_equal(last, alone_last), budget
+        assert cp.array_equal(cache.k, alone_cache.k) and cp.array_equal(cache.v, alone_cache.v), budget
+    assert len(model.prefill_groups([r.size for r in rows])) == (n if dtype == "float32" else 3)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_cached_tokens_are_argmax_of_full_forward(small, dtype):
     """Each token the cached decode path picked is (within rounding) the argmax of the

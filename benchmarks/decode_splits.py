@@ -1,0 +1,50 @@
+"""The decode step's attention split, at every batch: why the model splits each cache in 4.
+
+    python -m benchmarks.decode_splits
+
+A sequence's attention numbers follow the split count and the block width (the chunks are
+equal parts of its own length), so the decode step uses one split for every batch size:
+if it changed with the batch, a sequence's tokens would depend on what it is batched with.
+This times ``decode_attention`` (with its merge kernel) for GPT-2's 12 heads of 64 in
+float16 in a cache of 1,024 positions, at batch 1, 8, 64 and 256 and cached lengths 40 to
+1,000, for each split count and block width, in a CUDA graph (benchmarks/common.py
+time_in_graph: back-to-back launches, as in the step). Writes
+benchmarks/results/decode_splits-<device>.json.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+import cupy_kernels as K
+from benchmarks.common import banner, time_in_graph, write_results
+
+H, D, S_MAX = 12, 64, 1024
+CONFIGS = [(128, s) for s in (1, 2, 4, 8, 16)] + [(512, s) for s in (1, 2, 4)]  # (threads, splits)
+
+
+def main():
+    print(banner(), flush=True)
+    rows = []
+    for B in (1, 8, 64, 256):
+        rng = np.random.default_rng(0)
+        q = cp.asarray(rng.standard_normal((B, H, D)), dtype=cp.float16)
+        k = cp.asarray(rng.standard_normal((B, H, S_MAX, D)), dtype=cp.float16)
+        v = cp.asarray(rng.standard_normal((B, H, S_MAX, D)), dtype=cp.float16)
+        out = cp.empty((B, H, D), cp.float16)
+        for L in (40, 264, 520, 1000):
+            lens = cp.full(B, L, dtype=cp.int32)
+            line = []
+            for threads, splits in CONFIGS:
+                us = time_in_graph(lambda: K.decode_attention(q, k, v, lens, num_splits=splits, threads=threads,
+                                                              merge="kernel", out=out), n=20)
+                rows.append({"bench": "decode_splits", "dtype": "float16", "heads": H, "head_dim": D, "batch": B,
+                             "cached": L, "threads": threads, "splits": splits, "us": round(us, 2)})
+                line.append(f"{threads}/{splits} {us:.1f}")
+            print(f"B={B:3d} cached {L:4d}: " + ", ".join(line), flush=True)
+    print(f"wrote {write_results('decode_splits', rows, {})}")
+
+
+if __name__ == "__main__":
+    main()
