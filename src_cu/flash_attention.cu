@@ -143,13 +143,8 @@ __global__ void __launch_bounds__(K::THREADS)
     // causal: the last query tiles see the most keys; run them first for a shorter tail
     const int q0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BR;
     const int h = blockIdx.y, b = blockIdx.z;
-    if constexpr (VARLEN) {  // sequence b: rows cu_seqlens[b] .. cu_seqlens[b + 1] (batch strides 0)
-        const int s0 = cu_seqlens[b];
-        Tq = Tk = cu_seqlens[b + 1] - s0;
-        if (q0 >= Tq) return;  // the grid covers the longest sequence
-        q += static_cast<long long>(s0) * q_st;
-        k += static_cast<long long>(s0) * k_st;
-        v += static_cast<long long>(s0) * v_st;
+    if constexpr (VARLEN) {  // sequence b: rows cu_seqlens[b] .. cu_seqlens[b + 1] (mma.cuh)
+        if (!enter_packed_sequence(cu_seqlens, b, q0, Tq, Tk, q, q_st, k, k_st, v, v_st)) return;
     }
     q += b * q_sb + h * q_sh;
     k += b * k_sb + h * k_sh;

@@ -114,6 +114,22 @@ template <int CHUNKS> __device__ __forceinline__ int swizzle(int row, int chunk)
     return row * CHUNKS + (chunk ^ (row & 7));
 }
 
+// Varlen attention (packed sequences): sequence b holds rows cu_seqlens[b] .. cu_seqlens[b + 1]
+// of q, k and v, whose batch strides are 0. Sets Tq = Tk to its length and moves the three
+// pointers to its first row (time strides q_st, k_st, v_st); false when query tile q0 starts
+// past its end (the grid covers the longest sequence), and the block has nothing to do.
+template <typename P, typename S>
+__device__ __forceinline__ bool enter_packed_sequence(const int* cu_seqlens, int b, int q0, int& Tq, int& Tk, P& q,
+                                                      S q_st, P& k, S k_st, P& v, S v_st) {
+    const int s0 = cu_seqlens[b];
+    Tq = Tk = cu_seqlens[b + 1] - s0;
+    if (q0 >= Tq) return false;
+    q += static_cast<long long>(s0) * q_st;
+    k += static_cast<long long>(s0) * k_st;
+    v += static_cast<long long>(s0) * v_st;
+    return true;
+}
+
 // =======================================================================================
 // float32 on tensor cores: mma.sync.m16n8k8 with tf32 operands and the 3xTF32 split
 // (flash_attention_tf32.cu).
