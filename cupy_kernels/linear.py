@@ -144,16 +144,25 @@ def _mma_warps(K: int) -> int:
     return max(1, min(MMA_MAX_WARPS, _build.cdiv(_build.cdiv(K, 32), MMA_CHUNKS_PER_WARP)))
 
 
-def _mma_tile(B: int, N: int) -> int:
-    """n-tiles per block for B rows of x and N rows of W: one up to 8 rows of x; past that,
-    more n-tiles for taller weights (each weight tile is read once per block row: fewer
-    re-reads), fewer for short ones (enough blocks; 4 chunks of W in flight per lane at 2,
-    1 at 8). Measured at B = 64 on the H100 (benchmarks/decode_step.py, graph + PDL, us for
-    1 / 2 / 4 / 8 n-tiles): GPT-2 small attn_proj 3.28 / 2.73 / 4.99 / 7.97, mlp_proj 10.5 /
-    8.17 / 12.7 / 30.3, qkv 8.92 / 6.61 / 6.42 / 9.37, fc 10.6 / 7.81 / 6.60 / 9.68, LM head
-    238 / 114 / 89.1 / 65.8; GPT-2 XL attn_proj (N = 1600) 12.4 / 9.54 / 10.4 / 18.0, qkv
-    (4800) 35.0 / 22.6 / 22.6 / 21.5, fc (6400) 52.1 / 32.0 / 26.1 / 22.6."""
+def _mma_tile(B: int, N: int, K: int) -> int:
+    """n-tiles per block for B rows of x and a weight [N, K]: one up to 8 rows of x, and for
+    small square weights (GPT-2 small's attention out) up to 64; past that, more n-tiles for
+    taller weights (each weight tile is read once per block row: fewer re-reads), fewer for
+    short ones (enough blocks; 4 chunks of W in flight per lane at 2, 1 at 8). Measured on
+    the H100 (benchmarks/decode_step.py, graph + PDL, us for 1 / 2 / 4 / 8 n-tiles): GPT-2
+    small attn_proj at B = 16 1.89 / 4.63 / 4.58 / 7.43, at 32 2.11 / 4.57 / 6.37 / 10.3, at
+    64 3.17 / 5.21 / 6.29 / 16.1 (in the decode step at 64: 5.2 / 7.3), at 128 6.29 / 6.54 /
+    7.77 / 14.5; at B = 64 mlp_proj 11.9 / 12.1 / 12.7 / 30.5 (in the step 14.7 / 11.8), qkv
+    9.19 / 7.55 / 8.30 / 16.5, fc 10.5 / 8.07 / 8.96 / 16.3, LM head 214 / 133 / 79.3 / 64.0;
+    GPT-2 XL at 64: attn_proj (N = 1600) 12.8 / 8.68 / 10.5 / 17.9, qkv (4800) 35.5 / 27.5 /
+    22.3 / 21.2, fc (6400) 52.2 / 38.1 / 26.2 / 22.6.
+    (A kernel that staged W and x in shared memory, one weight read per 64 rows of x, with
+    these k-groups and bits, measured 6.8-7.2 us for GPT-2 small's q|k|v and 7.0 for its MLP
+    up at 64 rows; with the LayerNorm taken in, 15 us against 10 for ln_rows and this
+    kernel; short weights and GPT-2 XL lost: it was not kept.)"""
     if B <= 8:
+        return 1
+    if B <= 64 and N <= 1024 and K <= 1024:
         return 1
     cover = 1 << (_build.cdiv(B, 8) - 1).bit_length()  # n-tiles covering B, a power of two
     return min(cover, 8 if N >= 4096 else 4 if N >= 2048 else 2)
@@ -278,14 +287,14 @@ def _mma_plan(B: int, N: int, K: int, ln: bool, tile, warps, sms: int, smem_limi
     long_rows = _build.cdiv(_build.cdiv(K, 32), kw) > 4  # more than 4 chunks a warp
     prologue_nt = 1 if B <= 8 and long_rows and blocks <= 2 * sms else 2  # see _LN_PROLOGUE_TILES
     prologue = ln and B <= LN_PROLOGUE_ROWS and tile in (None, prologue_nt) and blocks <= LN_PROLOGUE_WAVE * sms
-    nt = prologue_nt if prologue else tile or _mma_tile(B, N)
+    nt = prologue_nt if prologue else tile or _mma_tile(B, N, K)
     red = kw * 8 * nt * MMA_RED_STRIDE * 4
     xs_stride = _build.cdiv(K, 64) * 64 + 32  # a row of xs 64 bytes past a multiple of 128: no bank conflicts
     smem = red + ((B * xs_stride + 2 * K) * 2 if prologue else 0)  # + xs and the LayerNorm parameters
     if prologue and smem > smem_limit:
         prologue, smem = False, red
     if ln and not prologue and tile is None:
-        nt = _mma_tile(B, N)
+        nt = _mma_tile(B, N, K)
     return nt, _mma_batch(nt, long_rows, blocks <= 2 * sms), kw, prologue, smem, xs_stride
 
 
