@@ -32,6 +32,10 @@ from .config import SIZES, GPT2Config
 # small's 768-wide ones are 384 tiles of 128 x 128 at 8,192 rows), while its activations stay
 # at about 16 C float32 values a token (GPT-2 XL: 0.8 GiB)
 PREFILL_TOKENS = 8192
+# prefills of up to PLAN_TOKENS tokens are recorded once per (prompt lengths, cache rows) and
+# replayed (_forward); a cache keeps the PLANS most recently used
+PLAN_TOKENS = 256
+PLANS = 8
 
 # Splits of each sequence's cache in the decode step's attention, whatever the batch. One
 # sequence alone would take 16 (GPT-2 at 1,024 positions), but at batch 64 that makes 12,288
@@ -97,6 +101,7 @@ class KVCache:
         self.positions = cupy.zeros(batch, dtype=numpy.int32)
         self.lengths = cupy.zeros(batch, dtype=numpy.int32)
         self.max_len = max_len
+        self.plans: dict = {}  # recorded prefills into this cache (GPT2._forward)
 
     def layer(self, i: int) -> dict:
         """Layer i's cache arrays as keyword arguments of kv_append and decode_attention."""
@@ -188,25 +193,19 @@ class GPT2:
     # forward passes
     # ---------------------------------------------------------------------------------
     def _matmul(self, x: cupy.ndarray, w: cupy.ndarray, bias: cupy.ndarray | None = None,
-                gelu: bool = False) -> cupy.ndarray:
+                gelu: bool = False, out: cupy.ndarray | None = None) -> cupy.ndarray:
         """x [T, K] @ w.T (+ bias, then GELU) for w [N, K] (out, in): the prefill's products.
         float16 / bfloat16 on the project's tensor-core gemm, whose bits for a row do not
         depend on the other rows, so prompts packed together get the numbers they get alone;
         float32 through cuBLAS (CuPy), whose do, one prompt at a time (prefill_groups)."""
         if self.dtype != numpy.float32:
-            return K.gemm(x, w, bias, gelu=gelu)
-        y = cupy.matmul(x, w.T)
+            return K.gemm(x, w, bias, gelu=gelu, out=out)
+        y = cupy.matmul(x, w.T, out=out)
         if gelu:
             K.bias_gelu(y, bias, out=y)
         elif bias is not None:
             K.bias_add(y, bias, out=y)
         return y
-
-    def _next_ln(self, i: int) -> tuple[cupy.ndarray, cupy.ndarray]:
-        """The LayerNorm after block i: the next block's ln_1, or ln_f after the last."""
-        if i == self.config.n_layer - 1:
-            return self.ln_f_w, self.ln_f_b
-        return self.blocks[i + 1].ln_1_w, self.blocks[i + 1].ln_1_b
 
     def prefill_groups(self, lengths) -> list[tuple[int, int]]:
         """How prompts of these lengths are prefilled: runs [lo, hi) of consecutive prompts,
@@ -247,38 +246,76 @@ class GPT2:
         its prompt's cache row. With ``out_last`` ([n, C]) writes each prompt's last residual
         there (see _prefill) and returns None; without, returns the final-LayerNorm output of
         every token [T, C].
+
+        A prefill of at most PLAN_TOKENS tokens into a cache (16-bit models) replays the
+        launches recorded for its prompt lengths and cache rows, kept with the cache (at most
+        PLANS of them, the least recently used dropped): only the token ids are copied in.
+        Its host cost is then a launch per kernel, without the wrappers' checks (GPT-2 XL,
+        8 tokens: the forward is otherwise bound by them, tens of milliseconds).
         """
         cfg = self.config
-        C, H, D, eps = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
+        eps = cfg.layer_norm_epsilon
         lengths = numpy.array([r.size for r in rows], dtype=numpy.int32)
         cu_seqlens = numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32)  # [n + 1]
         T = int(cu_seqlens[-1])
-        ids = cupy.asarray(numpy.concatenate(rows).astype(numpy.int32))  # [T]
+        ids = numpy.concatenate(rows).astype(numpy.int32)  # [T]
+        if out_last is not None and cache is not None and self.dtype != numpy.float32 and T <= PLAN_TOKENS:
+            key = (tuple(lengths.tolist()), tuple(int(s) for s in slots))
+            entry = cache.plans.pop(key, None)
+            if entry is None:
+                ids_dev = cupy.empty(T, dtype=numpy.int32)
+                with _build.recording() as plan:
+                    x, y, last = self._blocks(ids_dev, lengths, cu_seqlens, cache, slots)
+                entry = (plan, ids_dev, x, y, last)
+            if len(cache.plans) >= PLANS:
+                del cache.plans[next(iter(cache.plans))]  # the least recently used
+            cache.plans[key] = entry
+            plan, ids_dev, x, y, last = entry
+            ids_dev.set(ids)
+            plan.replay()
+        else:
+            x, y, last = self._blocks(cupy.asarray(ids), lengths, cu_seqlens, cache, slots)
+        blk = self.blocks[-1]
+        if out_last is not None:  # only the last tokens' residuals are needed
+            K.layernorm_residual(x[last], y[last], self.ln_f_w, self.ln_f_b, proj_bias=blk.mlp_proj_b, eps=eps,
+                                 sum_out=out_last)
+            return None
+        _, h = K.layernorm_residual(x, y, self.ln_f_w, self.ln_f_b, proj_bias=blk.mlp_proj_b, eps=eps, sum_out=x)
+        return h
+
+    def _blocks(self, ids: cupy.ndarray, lengths, cu_seqlens, cache: KVCache | None, slots):
+        """Embedding and every block over packed tokens ``ids`` (int32 [T] on the device),
+        up to the last block's MLP output: (x the residual stream before it, y that output,
+        each prompt's last row in them). One set of buffers serves every layer."""
+        cfg = self.config
+        C, H, D, eps = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
+        T = ids.shape[0]
         positions = cupy.asarray(numpy.concatenate([numpy.arange(n, dtype=numpy.int32) for n in lengths]))
-        x = K.embedding(ids, self.wte, self.wpe, positions)  # [T, C] residual stream
-        h = K.layernorm(x, self.blocks[0].ln_1_w, self.blocks[0].ln_1_b, eps=eps)
         if cache is not None:  # each token's cache row: its prompt's slot, at its position
             token_slots = cupy.asarray(numpy.repeat(numpy.asarray(slots, dtype=numpy.int32), lengths))
         last = cupy.asarray(cu_seqlens[1:] - 1)  # each prompt's last token
+        x = K.embedding(ids, self.wte, self.wpe, positions)  # [T, C] residual stream
+        h = K.layernorm(x, self.blocks[0].ln_1_w, self.blocks[0].ln_1_b, eps=eps)  # [T, C] normalized
+        qkv = cupy.empty((T, 3 * C), dtype=self.dtype)
+        a = cupy.empty((1, T, H, D), dtype=self.dtype)
+        y = cupy.empty((T, C), dtype=self.dtype)
+        f = cupy.empty((T, 4 * C), dtype=self.dtype)
         for i, blk in enumerate(self.blocks):
-            qkv = self._matmul(h, blk.attn_w, blk.attn_b)  # [T, 3C]
+            if i > 0:  # the previous block's residual add, and this block's LayerNorm
+                prev = self.blocks[i - 1]
+                K.layernorm_residual(x, y, blk.ln_1_w, blk.ln_1_b, proj_bias=prev.mlp_proj_b, eps=eps, out=h,
+                                     sum_out=x)
+            self._matmul(h, blk.attn_w, blk.attn_b, out=qkv)  # [T, 3C]
             q, k, v = (qkv.reshape(1, T, 3, H, D)[:, :, j] for j in range(3))  # [1, T, H, D] views
             if cache is not None:  # every token a sequence of one: [T, 1, H, D] views
                 kv = qkv.reshape(T, 1, 3, H, D)
                 K.kv_append(k=kv[:, :, 1], v=kv[:, :, 2], start=positions, slots=token_slots, **cache.layer(i))
-            a = K.flash_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)  # [1, T, H, D]
-            y = self._matmul(a.reshape(T, C), blk.attn_proj_w)  # [T, C]
-            x, h = K.layernorm_residual(x, y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b,
-                                        eps=eps, sum_out=x)
-            f = self._matmul(h, blk.fc_w, blk.fc_b, gelu=True)  # [T, 4C]
-            y = self._matmul(f, blk.mlp_proj_w)  # [T, C]
-            ln_w, ln_b = self._next_ln(i)
-            if i == cfg.n_layer - 1 and out_last is not None:  # only the last tokens' residuals are needed
-                K.layernorm_residual(x[last], y[last], ln_w, ln_b, proj_bias=blk.mlp_proj_b, eps=eps,
-                                     sum_out=out_last)
-                return None
-            x, h = K.layernorm_residual(x, y, ln_w, ln_b, proj_bias=blk.mlp_proj_b, eps=eps, sum_out=x)
-        return h
+            K.flash_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, out=a)
+            self._matmul(a.reshape(T, C), blk.attn_proj_w, out=y)
+            K.layernorm_residual(x, y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b, eps=eps, out=h, sum_out=x)
+            self._matmul(h, blk.fc_w, blk.fc_b, gelu=True, out=f)  # [T, 4C]
+            self._matmul(f, blk.mlp_proj_w, out=y)  # [T, C]
+        return x, y, last
 
     def logits(self, input_ids) -> cupy.ndarray:
         """Full forward without cache: logits [B, T, V] in the model's dtype for input_ids

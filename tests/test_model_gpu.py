@@ -142,6 +142,51 @@ def test_packed_prefill_equals_each_prompt_alone(small, dtype, monkeypatch):
     assert len(model.prefill_groups([r.size for r in rows])) == (n if dtype == "float32" else 3)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_recorded_prefill_replays_the_forward(small, dtype, monkeypatch):
+    """A short prefill into a cache is recorded once per (prompt lengths, cache rows) and
+    replayed with new token ids: the cache and the last residuals get exactly the bits of
+    the forward run launch by launch; the cache keeps its PLANS most recent records."""
+    import gpt2_cupy.model as M
+
+    hf, _ = small
+    model = GPT2.from_hf(hf, dtype)
+    rng = np.random.default_rng(9)
+    C = model.config.n_embd
+
+    def prompts():
+        return [rng.integers(0, 50257, n) for n in (3, 17)]
+
+    def run(cache, rows, slots):
+        last = cp.full((2, C), np.nan, dtype=np.float32).astype(model.dtype)
+        model._prefill(rows, cache, slots, last)
+        return last
+
+    def fresh():
+        cache = M.KVCache(model.config, 3, 64, model.dtype)
+        cache.k.fill(0)
+        cache.v.fill(0)
+        return cache
+
+    first, second, third = prompts(), prompts(), prompts()
+    monkeypatch.setattr(M, "PLAN_TOKENS", 0)  # launch by launch
+    eager = fresh()
+    eager_last = run(eager, second, [2, 0])
+    monkeypatch.setattr(M, "PLAN_TOKENS", 256)
+    cache = fresh()
+    run(cache, first, [2, 0])  # recorded (and run)
+    cache.k.fill(0)
+    cache.v.fill(0)
+    last = run(cache, second, [2, 0])  # replayed with the second prompts' ids
+    assert len(cache.plans) == 1
+    assert cp.array_equal(last, eager_last)
+    assert cp.array_equal(cache.k, eager.k) and cp.array_equal(cache.v, eager.v)
+    monkeypatch.setattr(M, "PLANS", 2)
+    run(cache, third, [0, 1])  # other rows: a record of its own
+    run(cache, third[:1] + second[1:], [2, 1])
+    assert list(cache.plans) == [((3, 17), (0, 1)), ((3, 17), (2, 1))]  # the first record dropped
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_cached_tokens_are_argmax_of_full_forward(small, dtype):
     """Each token the cached decode path picked is (within rounding) the argmax of the
