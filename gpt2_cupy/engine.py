@@ -327,6 +327,8 @@ class Engine:
         allocated in the GPU memory free now. An idle session of the same bucket is reused: nothing to check."""
         from cupy_kernels import kv_storage_dtype
 
+        from .model import PLAN_TOKENS, PLANS
+
         cfg, dtype = self.model.config, self.model.dtype
         key = self._key(batch, n_max, kv_dtype, sampling, cuda_graph)
         B, S = key[0], key[1]
@@ -337,6 +339,7 @@ class Engine:
         need = 2 * rows * cfg.head_dim * storage.itemsize + (2 * rows * 4 if storage != dtype else 0)
         need += 3 * B * (cfg.vocab_size * 4 + 9 * cfg.n_embd * dtype.itemsize)  # the step's and the heads' buffers
         need += prefill_tokens * 16 * cfg.n_embd * 4  # a prefill's activations (q|k|v, MLP, attention; float32 bound)
+        need += PLANS * PLAN_TOKENS * 12 * cfg.n_embd * dtype.itemsize  # recorded prefills' buffers (11 C a token)
         free = free_bytes()
         if need > free:  # idle sessions give their memory back first
             while self._evict_one():
