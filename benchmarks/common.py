@@ -124,10 +124,10 @@ def graph_replay_us(graph, stream, n: int = 1) -> float:
 def decode_weight_bytes(model) -> int:
     """Bytes one decode step of a gpt2_cupy.GPT2 must read: every weight once (wte as the
     tied LM head; the few wpe rows left out). Over the copy bandwidth: the step's floor."""
-    arrays = [model.lm_head, model.ln_f_w, model.ln_f_b]
+    arrays = [model.lm_head, model.ln_f_w, model.ln_f_b, model.lm_head_b, model.head_u, model.head_c]
     for blk in model.blocks:
         arrays += [getattr(blk, f) for f in blk.__dataclass_fields__]
-    return sum(a.nbytes for a in arrays)
+    return sum(a.nbytes for a in arrays if a is not None)
 
 
 def copy_ceiling_GBps(nbytes: int = 1 << 30) -> float:

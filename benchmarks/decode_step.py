@@ -155,7 +155,7 @@ def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, in
     for launch in plan:
         name = _kernel_name(launch)
         if name in ("linear_kernel", "linear_mma_kernel"):
-            N, Kd = (int(a) for a in (launch.args[-2:] if name == "linear_kernel" else launch.args[-3:-1]))
+            N, Kd = (int(a) for a in (launch.args[-2:] if name == "linear_kernel" else launch.args[-7:-5]))
             role = "lm_head" if N == cfg.vocab_size else layer[li % 4]
             li += role != "lm_head"
             roles.append((role, N * Kd * s + batch * (N + Kd) * s))

@@ -74,6 +74,13 @@ def main():
                 K.linear(x, wt, ln=ln, out_dtype=np.float32, tile=tile)
                 K.linear_argmax(x, wt, bias, ln=ln, logits=cp.empty((B, N), np.float32), tile=tile)
                 K.linear_argmax(x, wt, tile=tile, **wide)
+            if mma:  # the LayerNorm folded: statistics out of a residual product, into the next product
+                stats = cp.empty((B, -(-Kd // 16), 2), np.float32)
+                K.linear(r(B, 40, dtype=dtype), r(Kd, 40, dtype=dtype), residual=x, out=x, stats_out=stats)
+                u, c = r(N, dtype=np.float32), r(N, dtype=np.float32)
+                for tile in K.linear_tiles(dtype):
+                    K.linear(x, wt, ln_fold=(stats, u, c, 1e-5), gelu=True, tile=tile)
+                    K.linear_argmax(x, wt, ln_fold=(stats, u, c, 1e-5), tile=tile)
             H, D = 2, Kd // 6 if Kd % 6 == 0 else 0
             if D:  # the q|k|v product into a cache
                 kc, vc = r(B, H, 9, D, dtype=dtype), r(B, H, 9, D, dtype=dtype)

@@ -13,7 +13,7 @@ from .gemm import gemm
 from .gelu import bias_add, bias_gelu
 from .kv_cache import kv_advance, kv_append, kv_storage_dtype
 from .layernorm import layernorm, layernorm_residual
-from .linear import linear, linear_argmax, linear_tiles
+from .linear import fold_layernorm, linear, linear_argmax, linear_tiles
 from .read_floor import read_floor
 from .sampling import argmax, sample
 from .softmax import softmax
@@ -26,6 +26,7 @@ __all__ = [
     "decode_attention",
     "embedding",
     "flash_attention",
+    "fold_layernorm",
     "gemm",
     "kv_advance",
     "kv_append",

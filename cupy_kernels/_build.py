@@ -352,9 +352,10 @@ def row_smem(cols: int, name: str) -> int:
 
 
 def set_smem(kern, nbytes: int) -> None:
-    """Allow ``kern`` to use ``nbytes`` of dynamic shared memory (above 48 KiB needs opt-in)."""
+    """Allow ``kern`` to use ``nbytes`` of dynamic shared memory (above 48 KiB with its static
+    shared memory needs opt-in)."""
     kern = getattr(kern, "raw", kern)
-    if nbytes > 48 * 1024 and kern.max_dynamic_shared_size_bytes < nbytes:
+    if nbytes + kern.shared_size_bytes > 48 * 1024 and kern.max_dynamic_shared_size_bytes < nbytes:
         kern.max_dynamic_shared_size_bytes = nbytes
 
 

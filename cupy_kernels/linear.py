@@ -54,7 +54,11 @@ LN_PROLOGUE_ROWS = 16
 # step with the prologue, against 28.2 us for the plain product (H100, decode_step.py); GPT-2
 # XL's step (q|k|v and MLP up in 300 and 400 blocks) 2215 us with the prologue, 2320 us with
 # ln_rows_kernel ahead; GPT-2 small's (144, 192 blocks) 286 / 284 us, 347 / 375 us without
-# programmatic launch.
+# programmatic launch. (The model's 16-bit decode step folds its LayerNorms instead, ln_fold:
+# alone, in a graph with PDL on the H100, GPT-2 small's q|k|v at B = 1 took 2.48 us folded,
+# 3.04 with the prologue, 1.99 without any LayerNorm; at B = 64 8.53 / 9.62 with ln_rows /
+# 7.32; the LM head at B = 64 61.7 / 66.9 / 63.1; GPT-2 XL's MLP up at B = 1 10.75 / 14.81 /
+# 8.08, folded at 80 registers, its 400 blocks then in two waves: one n-tile now keeps 64.)
 LN_PROLOGUE_WAVE = 4
 _LN_ROWS_WARPS = 4
 
@@ -65,8 +69,14 @@ def _name(c_type: str, out_type: str, vec: int, tile: tuple[int, int], br: int, 
             f"{_EPI[epi]}>")
 
 
-def _mma_name(c_type: str, out_type: str, nt: int, u: int, ln: bool, epi: str) -> str:
-    return f"linear_mma_kernel<{c_type}, {out_type}, {nt}, {u}, {'true' if ln else 'false'}, {_EPI[epi]}>"
+# what linear_mma_kernel does with x (linear.cu's XInput): uses the rows, normalizes them first
+# (each block by itself), or uses them with their LayerNorm folded into W and the epilogue
+X_PLAIN, X_LN, X_LN_FOLD = 0, 1, 2
+STATS_COLS = 16  # outputs of a row per set of row statistics (a block's tile of W)
+
+
+def _mma_name(c_type: str, out_type: str, nt: int, u: int, xin: int, epi: str) -> str:
+    return f"linear_mma_kernel<{c_type}, {out_type}, {nt}, {u}, {xin}, {_EPI[epi]}>"
 
 
 def _ln_rows_name(c_type: str) -> str:
@@ -93,12 +103,13 @@ _build.declare(
         for br in BATCH_ROWS
     ]
     + [
-        _mma_name(c, o, nt, u, ln, epi)
+        _mma_name(c, o, nt, u, xin, epi)
         for c in _HALVES
         for o, ln, epi in _variants(c) + [(c, False, "qkv_cache")]  # (the LayerNorm ran before: ln_rows)
         for nt in MMA_TILES
         for u in _MMA_BATCH[nt]
-        if not ln or (nt, u) in _LN_PROLOGUE_TILES
+        for xin in ((X_LN, X_LN_FOLD) if ln else (X_PLAIN,))
+        if xin != X_LN or (nt, u) in _LN_PROLOGUE_TILES
     ]
     + [_ln_rows_name(c) for c in _HALVES],
     pdl=True,
@@ -279,47 +290,69 @@ def ln_rows(x, ln) -> cupy.ndarray:
     return out
 
 
-def _mma_plan(B: int, N: int, K: int, ln: bool, tile, warps, sms: int, smem_limit: int):
-    """(n-tiles NT, chunks per batch U, warps KW, LayerNorm in the prologue, dynamic shared
+def _mma_plan(B: int, N: int, K: int, ln: bool, tile, warps, sms: int, smem_limit: int, fold: bool = False):
+    """(n-tiles NT, chunks per batch U, warps KW, what the kernel does with x (X_PLAIN; X_LN:
+    the LayerNorm in the prologue; X_LN_FOLD: folded into W and the epilogue), dynamic shared
     memory, xs row stride) of a tensor-core launch; a function of sizes alone."""
     kw = warps or _mma_warps(K)
     blocks = _build.cdiv(N, 16)
     long_rows = _build.cdiv(_build.cdiv(K, 32), kw) > 4  # more than 4 chunks a warp
+    red = lambda nt: kw * 8 * nt * MMA_RED_STRIDE * 4  # noqa: E731
+    if fold:  # the rows' statistics, 8-byte sets of STATS_COLS values, share the partial tiles' shared memory
+        smem = lambda nt: max(red(nt), 8 * nt * _build.cdiv(K, STATS_COLS) * 8)  # noqa: E731
+        nt = tile or _mma_tile(B, N, K)
+        while nt > 1 and smem(nt) > smem_limit:  # (fewer n-tiles: the same numbers)
+            nt //= 2
+        if smem(nt) > smem_limit:
+            raise ValueError(f"rows of {K} features are too wide for ln_fold: their statistics need "
+                             f"{smem(nt)} bytes of shared memory, this GPU has {smem_limit}")
+        return nt, _mma_batch(nt, long_rows, blocks <= 2 * sms), kw, X_LN_FOLD, smem(nt), 0
     prologue_nt = 1 if B <= 8 and long_rows and blocks <= 2 * sms else 2  # see _LN_PROLOGUE_TILES
     prologue = ln and B <= LN_PROLOGUE_ROWS and tile in (None, prologue_nt) and blocks <= LN_PROLOGUE_WAVE * sms
     nt = prologue_nt if prologue else tile or _mma_tile(B, N, K)
-    red = kw * 8 * nt * MMA_RED_STRIDE * 4
     xs_stride = _build.cdiv(K, 64) * 64 + 32  # a row of xs 64 bytes past a multiple of 128: no bank conflicts
-    smem = red + ((B * xs_stride + 2 * K) * 2 if prologue else 0)  # + xs and the LayerNorm parameters
+    smem = red(nt) + ((B * xs_stride + 2 * K) * 2 if prologue else 0)  # + xs and the LayerNorm parameters
     if prologue and smem > smem_limit:
-        prologue, smem = False, red
+        prologue, smem = False, red(nt)
     if ln and not prologue and tile is None:
         nt = _mma_tile(B, N, K)
-    return nt, _mma_batch(nt, long_rows, blocks <= 2 * sms), kw, prologue, smem, xs_stride
+        smem = red(nt)
+    return nt, _mma_batch(nt, long_rows, blocks <= 2 * sms), kw, X_LN if prologue else X_PLAIN, smem, xs_stride
 
 
-def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps):
-    nt, u, kw, prologue, smem, xs_stride = _mma_plan(B, N, K, ln is not None, tile, warps,
-                                                     _build.sm_count(cupy.cuda.Device().id), _build.smem_optin())
-    if ln is not None and not prologue:  # normalize once, then the plain product (the same bits)
+def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats):
+    fold, stats_out = stats
+    nt, u, kw, xin, smem, xs_stride = _mma_plan(B, N, K, ln is not None, tile, warps,
+                                                _build.sm_count(cupy.cuda.Device().id), _build.smem_optin(),
+                                                fold=fold is not None)
+    if ln is not None and xin == X_PLAIN:  # normalize once, then the plain product (the same bits)
         x, ln = ln_rows(x, ln), None
-    kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, ln is not None, epi))
+    kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, xin, epi))
     _build.set_smem(kern, smem)
     blocks = _build.cdiv(N, 16)
     if part is not None:
         part = part(blocks)
-    kern((blocks, _build.cdiv(B, 8 * nt)), (32 * kw,), _args(out, x, weight, bias, ln, res, part, kv, B, N, K)
-         + (i32(xs_stride),), shared_mem=smem)
+    args = _args(out, x, weight, bias, ln, res, part, kv, B, N, K)
+    if fold is not None:  # (its eps where ln's would be)
+        args = args[:6] + (f32(fold[3]),) + args[7:]
+    null = 0
+    kern((blocks, _build.cdiv(B, 8 * nt)), (32 * kw,),
+         args + (i32(xs_stride), null if fold is None else fold[0], null if stats_out is None else stats_out,
+                 null if fold is None else fold[1], null if fold is None else fold[2]), shared_mem=smem)
     return blocks, part
 
 
-def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps):
+def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats=(None, None)):
     """Launches the product (tensor cores for 16-bit vector rows, else CUDA cores); returns
-    its number of blocks and the argmax partials, made by ``part(blocks)`` when given."""
+    its number of blocks and the argmax partials, made by ``part(blocks)`` when given.
+    ``stats``: (ln_fold as (stats, u, c, eps), row statistics to write), tensor cores only."""
     mma = _tensor_cores(x, weight, K, ln)
     _check_tile(tile, warps, mma)
     if mma:
-        return _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps)
+        return _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats)
+    if any(a is not None for a in stats):
+        raise TypeError("ln_fold and stats_out need float16 / bfloat16 rows of 16-byte vectors (K % 8 == 0, "
+                        "16-byte aligned): the tensor-core product")
     vec, tile, warps = _geometry(x, weight, N, K, tile, warps, ln)
     br = _batch_rows(B, K)
     kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), out_type, vec, tile, br, ln is not None, epi))
@@ -359,8 +392,58 @@ def _check_kv(kv_cache, x, B: int, N: int):
     return (*caches, *idx, H, S_max)
 
 
-def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, residual=None, kv_cache=None, out_dtype=None,
-           out=None, tile=None, warps=None) -> cupy.ndarray:
+def fold_layernorm(weight, bias, ln_w, ln_b):
+    """A LayerNorm (ln_w, ln_b) ahead of a product (weight [N, K], bias [N] or None) folded
+    into it: ``(weight * ln_w, bias + weight @ ln_b, u, c)``, the first two in weight's dtype
+    (the same product after a LayerNorm without parameters), u = the row sums of the folded
+    weight and c = the folded bias, float32 [N], for ``linear(..., ln_fold=(stats, u, c, eps))``.
+    Sums in float64."""
+    w64 = weight.astype(numpy.float64)
+    folded = (w64 * ln_w.astype(numpy.float64)).astype(weight.dtype)
+    c = w64 @ ln_b.astype(numpy.float64) + (0.0 if bias is None else bias.astype(numpy.float64))
+    u = folded.astype(numpy.float64).sum(axis=1)
+    return folded, c.astype(weight.dtype), u.astype(numpy.float32), c.astype(numpy.float32)
+
+
+def _check_stats(a, name: str, B: int, cols: int) -> cupy.ndarray:
+    """Row statistics: float32 [B, ceil(cols / 16), 2], C-contiguous, 16-byte aligned."""
+    a = _checks.as_array(a, name)
+    if a.dtype != numpy.float32:
+        raise TypeError(f"{name} must be float32, got {a.dtype}")
+    _checks.check_shape(a, name, (B, _build.cdiv(cols, STATS_COLS), 2))
+    if not a.flags.c_contiguous or a.data.ptr % 16:
+        raise ValueError(f"{name} must be C-contiguous and 16-byte aligned")
+    return a
+
+
+def _stats_args(ln_fold, B: int, N: int, K: int, bias=None, ln=None, residual=None, stats_out=None) -> tuple:
+    """(ln_fold as (stats, u, c, eps), stats_out), checked."""
+    if ln_fold is not None:
+        if not (isinstance(ln_fold, (tuple, list)) and len(ln_fold) == 4):
+            raise TypeError("ln_fold must be a tuple (stats, u, c, eps): see fold_layernorm")
+        if ln is not None or bias is not None:
+            raise ValueError("with ln_fold, the LayerNorm and the bias are folded in: pass neither ln nor bias")
+        stats, u, c, eps = ln_fold
+        stats = _check_stats(stats, "ln_fold stats", B, K)
+        u, c = (_checks.as_array(a, name) for a, name in ((u, "ln_fold u"), (c, "ln_fold c")))
+        for a, name in ((u, "ln_fold u"), (c, "ln_fold c")):
+            if a.dtype != numpy.float32:
+                raise TypeError(f"{name} must be float32, got {a.dtype}")
+            _checks.check_shape(a, name, (N,))
+            if not a.flags.c_contiguous:
+                raise ValueError(f"{name} must be contiguous")
+        if not (isinstance(eps, (int, float, numpy.floating)) and math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"ln_fold eps must be a finite number >= 0, got {eps!r}")
+        ln_fold = (stats, u, c, float(eps))
+    if stats_out is not None:
+        if residual is None:
+            raise ValueError("stats_out are the statistics of the residual stream: pass residual too")
+        stats_out = _check_stats(stats_out, "stats_out", B, N)
+    return ln_fold, stats_out
+
+
+def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, residual=None, stats_out=None,
+           kv_cache=None, out_dtype=None, out=None, tile=None, warps=None) -> cupy.ndarray:
     """``y = act(norm(x) @ weight.T + bias)``, for a few rows of x.
 
     x: [B, K] contiguous; weight: [N, K] (out, in) contiguous; bias: [N] or None.
@@ -368,6 +451,13 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, residual=None, 
     to x's dtype, as a separate LayerNorm would store them). ``gelu``: GELU (tanh form).
     ``residual`` [B, N]: ``y = residual + round(x @ weight.T) + bias`` in float32, rounded
     once (the residual add of a GPT-2 block); ``out`` may be ``residual`` itself.
+    ``stats_out`` (with ``residual``; float32 [B, ceil(N / 16), 2]): also the statistics of
+    each 16 outputs of a row as stored (mean, sum of squared deviations), from which a later
+    product normalizes y without a pass over it: ``ln_fold=(stats, u, c, eps)`` with the
+    weight, u and c of :func:`fold_layernorm` (no ``ln``, no ``bias``) computes
+    ``LN(x) @ W.T + b = rstd (x @ weight.T - mean u) + c``, the row's mean and rstd combined
+    from its statistics in a fixed order (its numbers depend on the row alone; x is never
+    rounded after normalizing, so not the bits of ``ln``). Both on tensor cores only.
     ``kv_cache=dict(k_cache, v_cache, positions, seq_lens)``: y is a fused q|k|v row
     (N = 3 H D); its k and v parts are also written into the caches [>= B, H, S_max, D] (x's
     dtype) at row ``positions[b]`` (int32 [B], not checked on the GPU), and ``seq_lens[b]``
@@ -393,10 +483,11 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, residual=None, 
         _checks.check_shape(residual, "residual", (B, N))
     if (residual is not None or kv_cache is not None) and out_dtype != x.dtype:
         raise TypeError(f"with a residual or kv_cache, out_dtype must be x's dtype {x.dtype}")
+    stats = _stats_args(ln_fold, B, N, K, bias, ln, residual, stats_out)
     kv = None
     if kv_cache is not None:
-        if ln is None:
-            raise ValueError("kv_cache is fused with the LayerNorm prologue: pass ln too")
+        if ln is None and ln_fold is None:
+            raise ValueError("kv_cache is fused with the LayerNorm prologue: pass ln (or ln_fold) too")
         kv = _check_kv(kv_cache, x, B, N)
     out = _checks.output(out, "out", (B, N), out_dtype)
     if _checks.overlaps(out, x) and B and N and K:
@@ -408,11 +499,12 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, residual=None, 
     if K == 0:
         raise ValueError("x has no features (K = 0)")
     epi = "residual" if residual is not None else "qkv_cache" if kv is not None else "gelu" if gelu else "store"
-    _launch(x, weight, bias, ln, residual, out, None, kv, _build.ctype(out_dtype), epi, B, N, K, tile, warps)
+    _launch(x, weight, bias, ln, residual, out, None, kv, _build.ctype(out_dtype), epi, B, N, K, tile, warps, stats)
     return out
 
 
-def linear_argmax(x, weight, bias=None, *, ln=None, logits=None, out=None, tile=None, warps=None) -> cupy.ndarray:
+def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, out=None, tile=None,
+                  warps=None) -> cupy.ndarray:
     """Greedy next tokens: int32 [B], the first index of each row's largest value of
     ``norm(x) @ weight.T + bias`` (arguments as :func:`linear`), without a second pass
     over the logits: each block of the product reduces its own outputs, then one small
@@ -423,13 +515,14 @@ def linear_argmax(x, weight, bias=None, *, ln=None, logits=None, out=None, tile=
     if logits is not None:
         logits = _checks.output(logits, "logits", (B, N), numpy.float32)
     out = _checks.output(out, "out", (B,), numpy.int32)
+    stats = _stats_args(ln_fold, B, N, K, bias, ln)
     if B == 0:
         return out
     if N == 0 or K == 0:
         raise ValueError(f"argmax over an empty product (N = {N}, K = {K})")
     blocks, part = _launch(x, weight, bias, ln, None, logits, lambda blocks: (
         cupy.empty((B, blocks), dtype=numpy.float32), cupy.empty((B, blocks), dtype=numpy.int32)),
-        None, "float", "argmax", B, N, K, tile, warps)
+        None, "float", "argmax", B, N, K, tile, warps, stats)
     kern = _build.kernel(_ARGMAX_SRC, _ARGMAX_NAME)
     kern((B,), (_ARGMAX_THREADS,), (out, part[0], part[1], i32(blocks)))
     return out

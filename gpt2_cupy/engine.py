@@ -84,6 +84,7 @@ class DecodeBuffers:
         self.f = cupy.zeros((B, 4 * C), dtype=dtype)
         self.logits = cupy.zeros((B, config.vocab_size), dtype=numpy.float32)
         self.offsets = cupy.zeros(B, dtype=numpy.uint64)  # sampling counters
+        self.stats = cupy.zeros((B, -(-C // 16), 2), dtype=numpy.float32)  # row statistics of x (linear's stats_out)
 
 
 class Session:
@@ -337,7 +338,8 @@ class Engine:
         storage = kv_storage_dtype(kv_dtype, dtype)
         rows = cfg.n_layer * B * cfg.n_head * S
         need = 2 * rows * cfg.head_dim * storage.itemsize + (2 * rows * 4 if storage != dtype else 0)
-        need += 3 * B * (cfg.vocab_size * 4 + 9 * cfg.n_embd * dtype.itemsize)  # the step's and the heads' buffers
+        # the step's and the heads' buffers (9 C values a row, and C / 2 bytes of row statistics)
+        need += 3 * B * (cfg.vocab_size * 4 + 10 * cfg.n_embd * dtype.itemsize)
         need += prefill_tokens * 16 * cfg.n_embd * 4  # a prefill's activations (q|k|v, MLP, attention; float32 bound)
         need += PLANS * PLAN_TOKENS * 12 * cfg.n_embd * dtype.itemsize  # recorded prefills' buffers (11 C a token)
         free = free_bytes()

@@ -78,6 +78,12 @@ class _Block:
     fc_b: cupy.ndarray  # [4C]
     mlp_proj_w: cupy.ndarray  # [C, 4C]
     mlp_proj_b: cupy.ndarray
+    # 16-bit models: ln_1 / ln_2 folded into attn_w / fc_w (GPT2.fold_layernorms), and for the
+    # decode step's epilogue their row sums u and folded biases c, float32 [N]
+    attn_u: cupy.ndarray | None = None
+    attn_c: cupy.ndarray | None = None
+    fc_u: cupy.ndarray | None = None
+    fc_c: cupy.ndarray | None = None
 
 
 class KVCache:
@@ -140,6 +146,31 @@ class GPT2:
         self._engine = None
         if self.wte.shape != (config.vocab_size, C):
             raise ValueError(f"wte has shape {self.wte.shape}, expected {(config.vocab_size, C)}")
+        self.lm_head_b = self.head_u = self.head_c = None  # [V] when ln_f is folded into the LM head
+        self.folded = self.dtype.itemsize == 2
+        if self.folded:
+            self._fold_layernorms()
+
+    def _fold_layernorms(self) -> None:
+        """Every LayerNorm of a 16-bit model folded into the product after it: its weight and
+        bias into the product's (K.fold_layernorm), the LayerNorm left without parameters
+        (ones, zeros), so that every forward computes the same function. The decode step
+        then normalizes in the products' epilogues from row statistics (record_step). The
+        LM head tied to wte becomes a copy when ln_f has parameters to fold."""
+        C = self.config.n_embd
+        ones, zeros = cupy.ones(C, dtype=self.dtype), cupy.zeros(C, dtype=self.dtype)
+        for blk in self.blocks:
+            blk.attn_w, blk.attn_b, blk.attn_u, blk.attn_c = K.fold_layernorm(blk.attn_w, blk.attn_b, blk.ln_1_w,
+                                                                              blk.ln_1_b)
+            blk.fc_w, blk.fc_b, blk.fc_u, blk.fc_c = K.fold_layernorm(blk.fc_w, blk.fc_b, blk.ln_2_w, blk.ln_2_b)
+            blk.ln_1_w, blk.ln_1_b, blk.ln_2_w, blk.ln_2_b = ones, zeros, ones, zeros
+        if bool((self.ln_f_w == 1).all()) and bool((self.ln_f_b == 0).all()):  # nothing to fold: keep the tie
+            self.head_u = self.lm_head.astype(numpy.float64).sum(axis=1).astype(numpy.float32)
+            self.head_c = cupy.zeros(self.config.vocab_size, dtype=numpy.float32)
+        else:
+            self.lm_head, self.lm_head_b, self.head_u, self.head_c = K.fold_layernorm(self.lm_head, None, self.ln_f_w,
+                                                                                      self.ln_f_b)
+        self.ln_f_w, self.ln_f_b = ones, zeros
 
     # ---------------------------------------------------------------------------------
     # construction
@@ -321,7 +352,8 @@ class GPT2:
         """Full forward without cache: logits [B, T, V] in the model's dtype for input_ids
         [B, T] or [T] (then [T, V])."""
         rows, single = check_input_ids(input_ids, self.config, allow_ragged=False)
-        outs = [self._matmul(self._forward(rows[lo:hi], None, None, None), self.lm_head)  # [tokens, V]
+        outs = [self._matmul(self._forward(rows[lo:hi], None, None, None), self.lm_head,
+                             self.lm_head_b)  # [tokens, V]
                 for lo, hi in self.prefill_groups([r.size for r in rows])]
         out = cupy.concatenate(outs).reshape(len(rows), rows[0].size, -1)
         return out[0] if single else out
@@ -329,16 +361,19 @@ class GPT2:
     # ---------------------------------------------------------------------------------
     # generation
     # ---------------------------------------------------------------------------------
-    def head(self, buf, sampling) -> None:
+    def head(self, buf, sampling, stats=None) -> None:
         """The LM head on the residual stream ``buf.x`` [B, C]: the final LayerNorm fused
-        into the product, then the next tokens into ``buf.tokens``. Greedy (sampling None)
-        reduces the logits inside the product (no logits written); sampling is a dict of
+        into the product (in the epilogue, from x's row statistics ``stats``, when given),
+        then the next tokens into ``buf.tokens``. Greedy (sampling None) reduces the logits
+        inside the product (no logits written); sampling is a dict of
         :func:`cupy_kernels.sample`'s settings and writes ``buf.logits`` first."""
-        ln_f = (self.ln_f_w, self.ln_f_b, self.config.layer_norm_epsilon)
+        eps = self.config.layer_norm_epsilon
+        ln = dict(ln_fold=(stats, self.head_u, self.head_c, eps)) if stats is not None else dict(
+            bias=self.lm_head_b, ln=(self.ln_f_w, self.ln_f_b, eps))
         if sampling is None:
-            K.linear_argmax(buf.x, self.lm_head, ln=ln_f, out=buf.tokens)
+            K.linear_argmax(buf.x, self.lm_head, out=buf.tokens, **ln)
         else:
-            K.linear(buf.x, self.lm_head, ln=ln_f, out_dtype=numpy.float32, out=buf.logits)
+            K.linear(buf.x, self.lm_head, out_dtype=numpy.float32, out=buf.logits, **ln)
             K.sample(buf.logits, offset=buf.offsets, out=buf.tokens, **sampling)
 
     def record_step(self, cache: KVCache, buf, sampling) -> _build.Plan:
@@ -348,10 +383,13 @@ class GPT2:
         the cached keys / values, LM head, next tokens, advance the positions.
 
         Six launches a block (seven with a quantized cache): q|k|v, attention, the merge of
-        its splits, and three products. LayerNorm runs inside the products that consume it
-        (each block of the product normalizes the rows of x itself) up to 16 sequences, in a
-        launch of its own ahead of them past that (the same bits); bias, GELU, the residual
-        add and the KV-cache append in the products' epilogues."""
+        its splits, and three products. Bias, GELU, the residual add and the KV-cache append
+        run in the products' epilogues, and so does LayerNorm in 16-bit models (folded into
+        the weights; the products that update the residual stream leave its row statistics,
+        from which the next product's epilogue normalizes), but for the first block's (its x
+        comes from the embedding) and in float32 models: there each block of the product
+        normalizes the rows itself up to 16 sequences, a launch of its own does it past that
+        (the same bits)."""
         cfg = self.config
         B, C, H, D, eps = buf.x.shape[0], cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
         qkv = buf.qkv.reshape(B, 1, 3, H, D)  # view: [B, T=1, 3, H, D]
@@ -363,24 +401,32 @@ class GPT2:
         # us a layer in a CUDA graph, 5.0 us with the last-block merge; decode_step.py, H100)
         alone = launch_config(self.dtype, cache.k.dtype, 1, H, H, D, cfg.n_positions)
         splits = min(alone.splits, DECODE_SPLITS)
+        stats = buf.stats if self.folded else None  # [B, C / 16, 2]: of the residual stream buf.x
+
+        def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm
+            return dict(ln_fold=(stats, u, c, eps)) if folded else dict(bias=b, ln=ln)
+
         with _build.recording() as plan:
             K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x)
             for i, blk in enumerate(self.blocks):
-                ln_1 = (blk.ln_1_w, blk.ln_1_b, eps)
+                qkv_in = normalized(blk.attn_b, (blk.ln_1_w, blk.ln_1_b, eps), blk.attn_u, blk.attn_c,
+                                    stats is not None and i > 0)  # (the embedding leaves no statistics)
                 if cache.k_scale is None:  # keys and values go into the cache from the product's epilogue
-                    K.linear(buf.x, blk.attn_w, blk.attn_b, ln=ln_1, out=buf.qkv,
+                    K.linear(buf.x, blk.attn_w, out=buf.qkv, **qkv_in,
                              kv_cache={"k_cache": cache.k[i], "v_cache": cache.v[i], "positions": cache.positions,
                                        "seq_lens": cache.lengths})
                 else:  # quantized: a row's scale needs all of its D values, which kv_append holds
-                    K.linear(buf.x, blk.attn_w, blk.attn_b, ln=ln_1, out=buf.qkv)
+                    K.linear(buf.x, blk.attn_w, out=buf.qkv, **qkv_in)
                     K.kv_append(k=qkv[:, :, 1], v=qkv[:, :, 2], start=cache.positions, seq_lens=cache.lengths,
                                 **cache.layer(i))
                 K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, num_splits=splits,
                                    threads=alone.threads, merge="kernel", out=buf.att, **cache.layer(i))
-                K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x)
-                K.linear(buf.x, blk.fc_w, blk.fc_b, ln=(blk.ln_2_w, blk.ln_2_b, eps), gelu=True, out=buf.f)
-                K.linear(buf.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=buf.x, out=buf.x)
-            self.head(buf, sampling)
+                K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x,
+                         stats_out=stats)
+                K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f,
+                         **normalized(blk.fc_b, (blk.ln_2_w, blk.ln_2_b, eps), blk.fc_u, blk.fc_c, stats is not None))
+                K.linear(buf.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=buf.x, out=buf.x, stats_out=stats)
+            self.head(buf, sampling, stats)
             K.kv_advance(cache.positions)
         return plan
 

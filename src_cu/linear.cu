@@ -3,10 +3,13 @@
 // linear_kernel on CUDA cores (float32, and 16-bit rows that are not 16-byte vectors), and
 // linear_mma_kernel on tensor cores (float16 / bfloat16), after the first; same epilogues.
 //
-//   xn        = LN ? layernorm(x; ln_w, ln_b, eps) rounded to T : x          (prologue)
+//   xn        = LN ? layernorm(x; ln_w, ln_b, eps) rounded to T : x          (prologue; on tensor
+//               cores also folded: W = W0 diag(ln_w), the rows' mean / rstd from the row
+//               statistics of the RESIDUAL product that wrote x, applied in the epilogue)
 //   s[b, n]   = sum_k xn[b, k] W[n, k]                                        W: (out, in)
 //   STORE     y = s + bias                       GELU      y = gelu_tanh(s + bias)
-//   RESIDUAL  y = T(res + T(s) + bias)  (res may be y: the residual stream, updated in place)
+//   RESIDUAL  y = T(res + T(s) + bias)  (res may be y: the residual stream, updated in place);
+//             on tensor cores optionally each block's (mean, m2) of its 16 outputs of each row
 //   QKV_CACHE y = s + bias (the fused q|k|v row), and the k and v columns also into the KV
 //             cache [B, H, S_max, D] at positions[b]; seq_lens[b] = positions[b] + 1
 //   ARGMAX    y = s + bias (float logits, optional) and, per block and row of x, the largest
@@ -36,7 +39,7 @@
 //
 // Specializations: linear_kernel: T in {float, __half, __nv_bfloat16} x OutT in {T, float}
 // x VEC (1, and 4 for float) x (RW, U) tiles x BR in {1, 4} x LN x EPI; linear_mma_kernel:
-// T in {__half, __nv_bfloat16} x OutT x NT n-tiles x U x LN x EPI; ln_rows_kernel: T
+// T in {__half, __nv_bfloat16} x OutT x NT n-tiles x U x XIN x EPI; ln_rows_kernel: T
 // (cupy_kernels/linear.py, where each launch shape is chosen, with the measurements behind it).
 // Wrapper: cupy_kernels/linear.py   Tests: tests/test_kernels_gpu.py
 // Benchmark: benchmarks/decode_step.py (every GPT-2 weight shape, each tile)
@@ -459,27 +462,77 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 1)  // (without the 1, ptxas c
 // the batch, the row's place in its n-tile, the n-tiles per block (NT) or the grid. A
 // sequence gets the same numbers alone and in any batch.
 //
-// LayerNorm prologue: warp b normalizes row b of x (rows b + KW, ... too) into shared
+// LayerNorm prologue (X_LN): warp b normalizes row b of x (rows b + KW, ... too) into shared
 // memory as T, ln_row below, which ln_rows_kernel also runs: for batches past what the
 // prologue holds, the wrapper normalizes once with ln_rows_kernel and runs the product on
-// the result, with the same bits.
+// the result, with the same bits. Folded (X_LN_FOLD, any batch): the product runs on x as
+// it is while the rows' statistics (16-column sets, 8 bytes each) come into shared memory by
+// cp.async (where the partial tiles go later); the warps then combine them (row_stats, 4 rows
+// a warp at once) and the epilogue takes
+// s -> rstd (s - mean u) + c. No pass over x and no launch for the LayerNorm at any batch.
+// (H100, graph + PDL: GPT-2 small's float16 step with every LayerNorm dropped, a timing-only
+// bound, took 224 against 288 us at batch 1, 265 / 351 at 8, 796 / 874 at 64, GPT-2 XL's
+// 1778 / 2180 at 1; folded, benchmarks/results/decode_step-h100.json: 254 / 281 at batch 1,
+// 302 / 345 at 8, 888 / 874 at 64 (863 without PDL), XL 1919 / 2256. Staging the sets
+// beside the partial tiles instead of over them took the LM head at 64 rows from 63 to 122
+// us: shared memory cut its blocks an SM in half; combining them in the product's first
+// batch, from L2, spilled.)
 // =======================================================================================
 namespace {
 constexpr int MMA_MAX_WARPS = 8;
 constexpr int RED_STRIDE = 20;  // floats a column of a warp's partial tile takes in shared memory
                                 // (16 rows + 4: a fragment's 32 stores hit 32 distinct banks)
 constexpr int LN_VECS = 4;      // 16-byte vectors of a LayerNorm row a lane loads at once
+// What the product does with x: use the rows as they are (X_PLAIN); normalize them first, each
+// block by itself (X_LN, ln_row below); or use them as they are with their LayerNorm folded
+// into W and the epilogue (X_LN_FOLD): W = W0 diag(gamma), and for a row of mean m and
+// reciprocal deviation r,  LN(x) W0^T + b = r (x W^T - m u) + c,  u = W 1, c = b + W0 beta,
+// where m and r come from the row statistics the product that wrote x left (row_stats).
+enum XInput : int { X_PLAIN = 0, X_LN = 1, X_LN_FOLD = 2 };
 
 // Blocks an SM holds at once (registers per thread <= 65536 / (256 x this)): 4 (64 registers)
 // for U <= 4 chunks a batch, 2 (128) for U = 8, 3 (80) with the LayerNorm prologue at U = 4,
-// which runs with NT = 2 (ptxas spilled NT = 1 at 80 registers, and NT = 2 at 64).
+// which runs with NT = 2 (ptxas spilled NT = 1 at 80 registers, and NT = 2 at 64). With the
+// folded LayerNorm the accumulators live through the statistics: 3 at NT = 8 (36 bytes
+// spilled at 64 registers), 2 at NT = 2 (4 bytes at 80) and for the argmax (8 at 80); NT = 1
+// stays at 4 (3 put GPT-2 XL's MLP up, 400 blocks, in two waves: 10.75 against 8.08 us).
 // (Tuned on the H100; before sm_90, ptxas spilled at 64 registers: 2 there, as for U = 8.)
-template <int U, bool LN> constexpr int mma_min_blocks() {
+template <int NT, int U, int XIN, int EPI> constexpr int mma_min_blocks() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     return 2;
 #else
-    return U > 4 ? 2 : LN ? 3 : 4;
+    if constexpr (XIN == X_LN_FOLD) return U > 4 || EPI == ARGMAX || NT == 2 ? 2 : NT == 8 ? 3 : 4;
+    return U > 4 ? 2 : XIN == X_LN ? 3 : 4;
 #endif
+}
+
+// Row statistics in sets: the RESIDUAL epilogue leaves, per block and row, the mean and the
+// sum of squared deviations from that mean (m2) of its 16 outputs as rounded to T. A row of
+// K values is then, with n_j = min(16, K - 16 j) values in set j and any shift c,
+//   mean = c + sum_j n_j (mean_j - c) / K,   m2 = sum_j (m2_j + n_j (mean_j - c)^2) - K (mean - c)^2
+// with c = mean_0 (the within-set parts come exact from the sets; what remains of the shift is
+// small for any LayerNorm input). row_stats combines them from shared memory with ROW_LANES
+// lanes a row, each taking sets l, l + ROW_LANES, ... in order, then a shuffle tree: a row's
+// statistics depend on its values and width alone. Arithmetic pinned (no contraction left to
+// the compiler): the same bits in every specialization.
+constexpr int ROW_LANES = 8;  // lanes combining one row's sets (a warp does 4 rows at once)
+__device__ __forceinline__ void row_stats(const float2* sets, int n_sets, int K, int sub, float& mean, float& m2) {
+    const float c = sets[0].x;
+    float s = 0.0f, q = 0.0f;
+    for (int j = sub; j < n_sets; j += ROW_LANES) {
+        const float2 v = sets[j];
+        const float n = static_cast<float>(min(16, K - 16 * j)), d = __fsub_rn(v.x, c);
+        s = __fmaf_rn(n, d, s);
+        q = __fadd_rn(q, __fmaf_rn(__fmul_rn(n, d), d, v.y));
+    }
+#pragma unroll
+    for (int off = ROW_LANES / 2; off > 0; off >>= 1) {  // xor tree: every lane of the row gets the same bits
+        s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off, ROW_LANES));
+        q = __fadd_rn(q, __shfl_xor_sync(0xffffffffu, q, off, ROW_LANES));
+    }
+    const float dm = __fdividef(s, static_cast<float>(K));
+    mean = __fadd_rn(c, dm);
+    m2 = fmaxf(__fsub_rn(q, __fmul_rn(__fmul_rn(static_cast<float>(K), dm), dm)), 0.0f);
 }
 
 // LayerNorm of one row of K values (K % 8 == 0) by one warp, into dst as T (lw, lb: the
@@ -540,20 +593,26 @@ __device__ __forceinline__ void ln_row(T* dst, T* stage, const T* xr, const T* l
 }
 }  // namespace
 
-template <typename T, typename OutT, int NT, int U, bool LN, int EPI>
-__global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<U, LN>())
+template <typename T, typename OutT, int NT, int U, int XIN, int EPI>
+__global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN, EPI>())
     linear_mma_kernel(OutT* y, const T* x, const T* __restrict__ W, const T* __restrict__ bias,
                       const T* __restrict__ ln_w, const T* __restrict__ ln_b, float eps, const T* res,
                       float* __restrict__ part_val, int* __restrict__ part_idx, T* __restrict__ k_cache,
                       T* __restrict__ v_cache, const int* __restrict__ positions, int* __restrict__ seq_lens, int H,
-                      int S_max, int B, int N, int K, int xs_stride) {
+                      int S_max, int B, int N, int K, int xs_stride, const float2* stats_in,
+                      float2* __restrict__ stats_out, const float* __restrict__ fold_u,
+                      const float* __restrict__ fold_c) {
     constexpr int COLS = 8 * NT;  // rows of x per block
+    constexpr bool LN = XIN == X_LN;
     extern __shared__ float4 smem4[];
     const int KW = blockDim.x >> 5;
     float* red = reinterpret_cast<float*>(smem4);                 // [KW][COLS][RED_STRIDE] partial tiles
     T* xs = reinterpret_cast<T*>(red + KW * COLS * RED_STRIDE);  // LN: [B][xs_stride] normalized rows
     T* lnp = xs + B * xs_stride;                                  // LN: [2][K] its weight and bias
-    __shared__ float s_bias[16];
+    float2* sets = reinterpret_cast<float2*>(smem4);  // X_LN_FOLD: [COLS][n_sets], before red is written
+    __shared__ float s_bias[16];       // (X_LN_FOLD: c)
+    __shared__ float s_u[16];          // X_LN_FOLD: u
+    __shared__ float s_mean[COLS], s_rstd[COLS];  // X_LN_FOLD: of the block's rows of x
     __shared__ float s_out[COLS][16];  // ARGMAX: the block's values
     griddep_launch_dependents();
 
@@ -577,7 +636,15 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<U, LN>())
     };
     // before the wait: only what no kernel of the step writes (weights, bias, LN parameters)
     load_w(0);
-    if (threadIdx.x < 16) s_bias[threadIdx.x] = bias != nullptr && m0 + threadIdx.x < N ? to_float(bias[m0 + threadIdx.x]) : 0.0f;
+    if constexpr (XIN == X_LN_FOLD) {
+        if (threadIdx.x < 16) {
+            const bool in = m0 + threadIdx.x < N;
+            s_bias[threadIdx.x] = in ? fold_c[m0 + threadIdx.x] : 0.0f;
+            s_u[threadIdx.x] = in ? fold_u[m0 + threadIdx.x] : 0.0f;
+        }
+    } else if (threadIdx.x < 16) {
+        s_bias[threadIdx.x] = bias != nullptr && m0 + threadIdx.x < N ? to_float(bias[m0 + threadIdx.x]) : 0.0f;
+    }
     if constexpr (LN) {  // into shared memory, without registers: one L2 round trip less after the wait
         for (int i = threadIdx.x; i < K / 8; i += blockDim.x) {
             cp_async_16(smem_addr(lnp + 8 * i), ln_w + 8 * i, 16);
@@ -586,6 +653,13 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<U, LN>())
         cp_async_commit();
     }
     griddep_wait();  // x, res, positions: the previous kernels' work
+    if constexpr (XIN == X_LN_FOLD) {  // the rows' statistics on their way while the product runs
+        const int n = min(COLS, B - b0) * ((K + 15) / 16);  // (sets of the block's rows; recomputed
+        const float2* src = stats_in + static_cast<long long>(b0) * ((K + 15) / 16);  // later: fewer registers)
+        for (int i = 2 * threadIdx.x; i < n; i += 2 * blockDim.x)  // (16-byte aligned: b0 is even)
+            cp_async_16(smem_addr(sets + i), src + i, i + 1 < n ? 16 : 8);
+        cp_async_commit();
+    }
 
     if constexpr (LN) {  // the wrapper takes this path only for B <= COLS: one block row
         cp_async_wait<0>();
@@ -629,6 +703,25 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<U, LN>())
         }
         if (j0 + U < my_chunks) load_w(j0 + U);
     }
+    const int nb = min(COLS, B - b0);  // rows of x in this block
+    if constexpr (XIN == X_LN_FOLD) {  // the mean and rstd of the block's rows, 4 rows a warp at once
+        const int n_sets = (K + 15) / 16;
+        cp_async_wait<0>();
+        __syncthreads();  // every thread's sets have landed
+        constexpr int RPW = 32 / ROW_LANES;
+        const int sub = lane % ROW_LANES;
+#pragma unroll 1
+        for (int b1 = warp * RPW; b1 < nb; b1 += KW * RPW) {  // (every lane of the warp takes each trip)
+            const int bl = min(b1 + lane / ROW_LANES, nb - 1);
+            float mean, m2;
+            row_stats(sets + bl * n_sets, n_sets, K, sub, mean, m2);
+            if (sub == 0 && b1 + lane / ROW_LANES < nb) {
+                s_mean[bl] = mean;
+                s_rstd[bl] = rsqrtf(__fadd_rn(__fdividef(m2, static_cast<float>(K)), eps));
+            }
+        }
+        __syncthreads();  // the sets are read: their shared memory takes the partial tiles
+    }
     // partial tiles to shared memory: c[0], c[1] are row g, columns 2t, 2t+1; c[2], c[3] row g + 8
     float* mine = red + warp * COLS * RED_STRIDE;
 #pragma unroll
@@ -640,15 +733,22 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<U, LN>())
         mine[(c + 1) * RED_STRIDE + g + 8] = acc[nt][3];
     }
     __syncthreads();
-    // the epilogue: thread o -> row r = o % 16 of the tile, row b0 + o / 16 of x
-    const int nb = min(COLS, B - b0);
-    for (int o = threadIdx.x; o < 16 * nb; o += blockDim.x) {
+    // the epilogue: thread o -> row r = o % 16 of the tile, row b0 + o / 16 of x (every
+    // thread takes the same number of trips: the RESIDUAL statistics shuffle in half-warps)
+    for (int o0 = 0; o0 < 16 * nb; o0 += blockDim.x) {
+        const int o = o0 + threadIdx.x;
         const int r = o & 15, bl = o >> 4, n = m0 + r, b = b0 + bl;
+        const bool active = o < 16 * nb, valid = active && n < N;
         float s = 0.0f;
-        for (int w = 0; w < KW; ++w) s += red[(w * COLS + bl) * RED_STRIDE + r];  // in warp order
-        if (n >= N) {
-            if constexpr (EPI == ARGMAX) s_out[bl][r] = 0.0f;
-            continue;
+        if (active) {
+            for (int w = 0; w < KW; ++w) s += red[(w * COLS + bl) * RED_STRIDE + r];  // in warp order
+            if constexpr (XIN == X_LN_FOLD) s = __fmul_rn(__fmaf_rn(-s_mean[bl], s_u[r], s), s_rstd[bl]);
+        }
+        if (!valid) {
+            if constexpr (EPI == ARGMAX) {
+                if (active) s_out[bl][r] = 0.0f;
+            }
+            if constexpr (EPI != RESIDUAL) continue;
         }
         const long long at = static_cast<long long>(b) * N + n;
         const float bn = s_bias[r];
@@ -657,7 +757,23 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<U, LN>())
         } else if constexpr (EPI == GELU) {
             y[at] = from_float<OutT>(gelu_tanh(s + bn));
         } else if constexpr (EPI == RESIDUAL) {
-            y[at] = from_float<OutT>(to_float(res[at]) + to_float(from_float<T>(s)) + bn);
+            float v = 0.0f;  // the output as stored
+            if (valid) {
+                const OutT yv = from_float<OutT>(to_float(res[at]) + to_float(from_float<T>(s)) + bn);
+                y[at] = yv;
+                v = to_float(yv);
+            }
+            if (stats_out != nullptr) {  // (mean, m2) of the block's 16 outputs of row b: row_stats
+                float sum = v;
+#pragma unroll
+                for (int off = 8; off > 0; off >>= 1) sum = __fadd_rn(sum, __shfl_down_sync(0xffffffffu, sum, off, 16));
+                const float mu = __fdividef(__shfl_sync(0xffffffffu, sum, 0, 16), static_cast<float>(min(16, N - m0)));
+                const float d = valid ? __fsub_rn(v, mu) : 0.0f;
+                float q = __fmul_rn(d, d);
+#pragma unroll
+                for (int off = 8; off > 0; off >>= 1) q = __fadd_rn(q, __shfl_down_sync(0xffffffffu, q, off, 16));
+                if (active && r == 0) stats_out[static_cast<long long>(b) * gridDim.x + blockIdx.x] = make_float2(mu, q);
+            }
         } else if constexpr (EPI == QKV_CACHE) {
             const T v = from_float<T>(s + bn);
             y[at] = v;

@@ -122,12 +122,13 @@ def test_every_tensor_core_launch_shape_is_declared(sms, smem):
         for N in (37, 768, 2304, 3072, 4800, 6400, 50257):
             for K in (8, 72, 768, 776, 1600, 3072, 6400):
                 for tile in (None, *lin.MMA_TILES):
-                    for ln in (False, True):
-                        nt, u, kw, prologue, smem_bytes, _ = lin._mma_plan(B, N, K, ln, tile, None, sms, smem)
+                    for ln, fold in ((False, False), (True, False), (False, True)):
+                        nt, u, kw, xin, smem_bytes, _ = lin._mma_plan(B, N, K, ln, tile, None, sms, smem, fold)
                         assert 1 <= kw <= lin.MMA_MAX_WARPS and smem_bytes <= smem
-                        assert not prologue or B <= 8 * nt
+                        assert xin == lin.X_LN_FOLD if fold else xin in (lin.X_PLAIN, lin.X_LN)
+                        assert xin != lin.X_LN or B <= 8 * nt
                         for out, epi in epis:
-                            if epi == "residual" and out == "float" or (ln and epi == "residual"):
+                            if epi == "residual" and out == "float" or ((ln or fold) and epi == "residual"):
                                 continue
-                            name = lin._mma_name("__half", out if out == "float" else "__half", nt, u, prologue, epi)
-                            assert name in declared, (B, N, K, tile, ln, name)
+                            name = lin._mma_name("__half", out if out == "float" else "__half", nt, u, xin, epi)
+                            assert name in declared, (B, N, K, tile, ln, fold, name)

@@ -256,6 +256,117 @@ def test_linear_qkv_into_the_cache(B, H, D, S_max, dtype):
     assert seq_lens.get().tolist() == (positions.get() + 1).tolist()
 
 
+FOLD_CASES = [  # (B, K of the residual product, C its outputs, N of the product normalizing them)
+    (1, 3072, 768, 2304), (3, 1600, 1600, 4800), (8, 776, 1000, 129), (64, 768, 768, 3072), (255, 72, 40, 77),
+    (33, 72, 768, 50257),  # the LM head: 64 rows of x a block, over 48 KiB of shared memory with the static
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+@pytest.mark.parametrize("B,K1,C,N", FOLD_CASES)
+def test_linear_layernorm_folded(B, K1, C, N, dtype):
+    """stats_out: each 16 outputs' mean and sum of squared deviations, of the rows as stored;
+    ln_fold: the next product's LayerNorm folded into its weight (fold_layernorm) and its
+    epilogue (GELU, argmax and q|k|v-into-the-cache epilogues alike), against LN(y) W^T + b
+    in float64 with the unfolded parameters; a row's bits alone, in any batch, every tile."""
+    rng = np.random.default_rng(B + K1 + C)
+    x, w, b, kw, expect_y = _linear_case(rng, B, C, K1, "residual", dtype)
+    res = kw["residual"]
+    res_alone = res[B - 1:].copy()
+    stats = cp.full((B, -(-C // 16), 2), np.nan, dtype=np.float32)
+    K.linear(x, w, b, residual=res, out=res, stats_out=stats)
+    check(res, expect_y, dtype)
+    y = res.astype(cp.float32).get().astype(np.float64)
+    for j in range(stats.shape[1]):
+        part = y[:, 16 * j:16 * j + 16]
+        mean = part.mean(axis=1)
+        scale = np.abs(part).max() + 1e-30
+        np.testing.assert_allclose(stats[:, j, 0].get(), mean, rtol=0, atol=1e-6 * scale)
+        np.testing.assert_allclose(stats[:, j, 1].get(), ((part - mean[:, None]) ** 2).sum(axis=1), rtol=1e-5,
+                                   atol=1e-9 * scale**2)
+    alone = cp.full((1, stats.shape[1], 2), np.nan, dtype=np.float32)
+    K.linear(x[B - 1:], w, b, residual=res_alone, out=res_alone, stats_out=alone)
+    assert cp.array_equal(alone[0], stats[B - 1])
+
+    w2, w2h = rand(rng, (N, C), dtype, 1.0 / np.sqrt(C))
+    b2, b2h = rand(rng, (N,), dtype)
+    lw, lwh = rand(rng, (C,), dtype)
+    lb, lbh = rand(rng, (C,), dtype)
+    wf, bf, u, c = K.fold_layernorm(w2, b2, lw, lb)
+    assert wf.dtype == w2.dtype and bf.dtype == w2.dtype and u.dtype == c.dtype == np.float32
+    np.testing.assert_allclose(c.get(), w2h @ lbh + b2h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(u.get(), wf.astype(cp.float64).sum(axis=1).get(), rtol=1e-5, atol=1e-5)
+    check(wf, w2h * lwh, dtype)
+    fold = (stats, u, c, 1e-5)
+    pre = ref.linear(ref.layernorm(y, lwh, lbh, 1e-5), w2h, b2h)
+    outs = []
+    for tile in (None, *K.linear_tiles(dtype)):
+        out = poisoned((B, N), dtype)
+        K.linear(res, wf, ln_fold=fold, gelu=True, out=out, tile=tile)
+        check(out, ref.gelu_tanh(pre), dtype)
+        outs.append(out)
+    assert all(cp.array_equal(o, outs[0]) for o in outs[1:])
+    last = (stats[B - 1:].copy(), u, c, 1e-5)
+    assert cp.array_equal(K.linear(res[B - 1:], wf, ln_fold=last, gelu=True)[0], outs[0][B - 1])
+    # the same function as the unfolded product after a LayerNorm without parameters
+    ones, zeros = cp.ones(C, dtype), cp.zeros(C, dtype)
+    check(K.linear(res, wf, bf, ln=(ones, zeros, 1e-5)), pre, dtype)
+    # the LM head's argmax
+    logits = poisoned((B, N), np.float32)
+    tokens = K.linear_argmax(res, wf, ln_fold=fold, logits=logits)
+    check(logits, pre, dtype)
+    assert tokens.get().tolist() == np.argmax(logits.get(), axis=1).tolist()
+    assert cp.array_equal(K.linear_argmax(res, wf, ln_fold=fold), tokens)
+    # q|k|v into the cache
+    if N % 3 == 0 and (N // 3) % 64 == 0:
+        H, S_max = N // 3 // 64, 9
+        k_cache, v_cache = poisoned((B, H, S_max, 64), dtype), poisoned((B, H, S_max, 64), dtype)
+        positions = cp.asarray(rng.integers(0, S_max, B), dtype=np.int32)
+        out = poisoned((B, N), dtype)
+        K.linear(res, wf, ln_fold=fold, out=out, kv_cache={
+            "k_cache": k_cache, "v_cache": v_cache, "positions": positions, "seq_lens": cp.zeros(B, np.int32)})
+        check(out, pre, dtype)
+        qkv = out.reshape(B, 3, H, 64)
+        at = positions.get()
+        for i in range(B):
+            assert cp.array_equal(k_cache[i, :, int(at[i])], qkv[i, 1])
+            assert cp.array_equal(v_cache[i, :, int(at[i])], qkv[i, 2])
+
+
+def test_linear_folded_layernorm_bad_inputs_raise():
+    x = cp.ones((2, 64), np.float16)
+    w = cp.ones((32, 64), np.float16)
+    ln = (cp.ones(64, np.float16), cp.zeros(64, np.float16), 1e-5)
+    st = cp.zeros((2, 4, 2), np.float32)
+    u, c = cp.zeros(32, np.float32), cp.zeros(32, np.float32)
+    with pytest.raises(ValueError, match="pass neither ln nor bias"):
+        K.linear(x, w, ln=ln, ln_fold=(st, u, c, 1e-5))
+    with pytest.raises(ValueError, match="pass neither ln nor bias"):
+        K.linear(x, w, cp.zeros(32, np.float16), ln_fold=(st, u, c, 1e-5))
+    with pytest.raises(TypeError, match="ln_fold must be a tuple"):
+        K.linear(x, w, ln_fold=st)
+    with pytest.raises(ValueError, match="pass residual too"):
+        K.linear(x, w, stats_out=cp.zeros((2, 2, 2), np.float32))
+    with pytest.raises(ValueError, match="ln_fold stats"):
+        K.linear(x, w, ln_fold=(cp.zeros((2, 3, 2), np.float32), u, c, 1e-5))
+    with pytest.raises(TypeError, match="float32"):
+        K.linear(x, w, ln_fold=(st.astype(np.float16), u, c, 1e-5))
+    with pytest.raises(ValueError, match="C-contiguous and 16-byte aligned"):
+        K.linear(x, w, ln_fold=(cp.zeros((4, 2, 2), np.float32).transpose(1, 0, 2), u, c, 1e-5))
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        K.linear(x, w, ln_fold=(cp.zeros(18, np.float32)[2:].reshape(2, 4, 2), u, c, 1e-5))  # 8 bytes in
+    with pytest.raises(ValueError, match="ln_fold u"):
+        K.linear(x, w, ln_fold=(st, u[:16], c, 1e-5))
+    with pytest.raises(ValueError, match="ln_fold eps"):
+        K.linear(x, w, ln_fold=(st, u, c, -1.0))
+    with pytest.raises(TypeError, match="tensor-core"):
+        K.linear(x.astype(np.float32), w.astype(np.float32), ln_fold=(st, u, c, 1e-5))
+    with pytest.raises(ValueError, match="pass neither"):
+        K.linear_argmax(x, w, ln=ln, ln_fold=(st, u, c, 1e-5))
+    # nothing was launched half-way: a correct call still works
+    assert K.linear(x, w, ln_fold=(st, u, c, 1e-5)).shape == (2, 32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,N,K_,ln", [(1, 50257, 768, True), (3, 50257, 1600, True), (2, 1000, 768, False),
                                        (9, 77, 781, True)])
