@@ -78,7 +78,7 @@ class _Block:
     fc_b: cupy.ndarray  # [4C]
     mlp_proj_w: cupy.ndarray  # [C, 4C]
     mlp_proj_b: cupy.ndarray
-    # 16-bit models: ln_1 / ln_2 folded into attn_w / fc_w (GPT2.fold_layernorms), and for the
+    # 16-bit models: ln_1 / ln_2 folded into attn_w / fc_w (GPT2._fold_layernorms), and for the
     # decode step's epilogue their row sums u and folded biases c, float32 [N]
     attn_u: cupy.ndarray | None = None
     attn_c: cupy.ndarray | None = None
