@@ -332,13 +332,12 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
     blocks = _build.cdiv(N, 16)
     if part is not None:
         part = part(blocks)
-    args = _args(out, x, weight, bias, ln, res, part, kv, B, N, K)
-    if fold is not None:  # (its eps where ln's would be)
-        args = args[:6] + (f32(fold[3]),) + args[7:]
     null = 0
+    ln_args = ln if fold is None else (null, null, fold[3])  # (ln_fold's eps where ln's goes)
     kern((blocks, _build.cdiv(B, 8 * nt)), (32 * kw,),
-         args + (i32(xs_stride), null if fold is None else fold[0], null if stats_out is None else stats_out,
-                 null if fold is None else fold[1], null if fold is None else fold[2]), shared_mem=smem)
+         _args(out, x, weight, bias, ln_args, res, part, kv, B, N, K)
+         + (i32(xs_stride), null if fold is None else fold[0], null if stats_out is None else stats_out,
+            null if fold is None else fold[1], null if fold is None else fold[2]), shared_mem=smem)
     return blocks, part
 
 
