@@ -1,4 +1,4 @@
-"""The decode step's attention split, at every batch: why the model splits each cache in 4.
+"""The decode step's attention split, at every batch: why the model splits each cache in 3.
 
     python -m benchmarks.decode_splits
 
@@ -21,7 +21,7 @@ import cupy_kernels as K
 from benchmarks.common import banner, time_in_graph, write_results
 
 H, D, S_MAX = 12, 64, 1024
-CONFIGS = [(128, s) for s in (1, 2, 4, 8, 16)] + [(512, s) for s in (1, 2, 4)]  # (threads, splits)
+CONFIGS = [(128, s) for s in (1, 2, 3, 4, 8, 16)] + [(512, s) for s in (1, 2, 4)]  # (threads, splits)
 
 
 def main():

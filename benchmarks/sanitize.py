@@ -87,6 +87,19 @@ def main():
                 K.linear(x, r(3 * H * D, Kd, dtype=dtype), ln=ln, kv_cache={
                     "k_cache": kc, "v_cache": vc, "positions": cp.arange(B, dtype=np.int32) % 9,
                     "seq_lens": cp.zeros(B, dtype=np.int32)})
+        if dtype != np.float32:  # float logits of a tall weight past 32 rows: two m-tiles a block, the
+            import importlib     # last block's second one partly past N
+
+            lin = importlib.import_module("cupy_kernels.linear")
+            N = 16 * lin.MMA_WIDE_BLOCKS * _build.sm_count(cp.cuda.Device().id) + 5
+            x, wt = r(40, 72, dtype=dtype), r(N, 72, dtype=dtype)
+            K.linear(x, wt, r(N, dtype=dtype), out_dtype=np.float32)
+            K.linear_argmax(x, wt, logits=cp.empty((40, N), np.float32))
+            stats = cp.empty((40, 5, 2), np.float32)
+            K.linear(r(40, 40, dtype=dtype), r(72, 40, dtype=dtype), residual=x, out=x, stats_out=stats)
+            u, c = r(N, dtype=np.float32), r(N, dtype=np.float32)
+            K.linear(x, wt, ln_fold=(stats, u, c, 1e-5), out_dtype=np.float32)
+            K.linear_argmax(x, wt, ln_fold=(stats, u, c, 1e-5))
         if dtype != np.float32:  # the prefill's products: ragged M, N and K, odd N, every tile shape
             from cupy_kernels.gemm import TILES
 

@@ -36,6 +36,8 @@ LN_CHUNKS = 2  # linear.cu: a LayerNorm row is at most LN_CHUNKS vectors per thr
 # n-tiles of 8 rows of x per block (NT; blocks over the batch past that, each reading the
 # weight tile again, from L2 after the first). Never changes the numbers. _mma_tile chooses.
 MMA_TILES = (1, 2, 4, 8)
+MMA_MIN_WARPS_PER_SM = 8  # warps the grid keeps per SM when _mma_tile picks the n-tiles
+MMA_WIDE_BLOCKS = 8  # two m-tiles a block (_mma_m_tiles) from this many blocks of one an SM
 # chunks of W a warp requests at once (U) for each NT: 2 U 16-byte loads of W and U NT of x
 # per lane. One n-tile also has U = 8, for warps with more than 4 chunks of a row (_mma_batch).
 _MMA_BATCH = {1: (4, 8), 2: (4,), 4: (2,), 8: (1,)}
@@ -75,8 +77,8 @@ X_PLAIN, X_LN, X_LN_FOLD = 0, 1, 2
 STATS_COLS = 16  # outputs of a row per set of row statistics (a block's tile of W)
 
 
-def _mma_name(c_type: str, out_type: str, nt: int, u: int, xin: int, epi: str) -> str:
-    return f"linear_mma_kernel<{c_type}, {out_type}, {nt}, {u}, {xin}, {_EPI[epi]}>"
+def _mma_name(c_type: str, out_type: str, nt: int, u: int, xin: int, epi: str, mt: int = 1) -> str:
+    return f"linear_mma_kernel<{c_type}, {out_type}, {nt}, {u}, {xin}, {_EPI[epi]}, {mt}>"
 
 
 def _ln_rows_name(c_type: str) -> str:
@@ -110,6 +112,12 @@ _build.declare(
         for u in _MMA_BATCH[nt]
         for xin in ((X_LN, X_LN_FOLD) if ln else (X_PLAIN,))
         if xin != X_LN or (nt, u) in _LN_PROLOGUE_TILES
+    ]
+    + [  # two m-tiles a block: float logits of tall weights at 8 n-tiles (_mma_m_tiles)
+        _mma_name(c, "float", MMA_TILES[-1], _MMA_BATCH[MMA_TILES[-1]][0], xin, epi, 2)
+        for c in _HALVES
+        for xin in (X_PLAIN, X_LN_FOLD)
+        for epi in ("store", "argmax")
     ]
     + [_ln_rows_name(c) for c in _HALVES],
     pdl=True,
@@ -155,28 +163,30 @@ def _mma_warps(K: int) -> int:
     return max(1, min(MMA_MAX_WARPS, _build.cdiv(_build.cdiv(K, 32), MMA_CHUNKS_PER_WARP)))
 
 
-def _mma_tile(B: int, N: int, K: int) -> int:
-    """n-tiles per block for B rows of x and a weight [N, K]: one up to 8 rows of x, and for
-    small square weights (GPT-2 small's attention out) up to 64; past that, more n-tiles for
-    taller weights (each weight tile is read once per block row: fewer re-reads), fewer for
-    short ones (enough blocks; 4 chunks of W in flight per lane at 2, 1 at 8). Measured on
-    the H100 (benchmarks/decode_step.py, graph + PDL, us for 1 / 2 / 4 / 8 n-tiles): GPT-2
-    small attn_proj at B = 16 1.89 / 4.63 / 4.58 / 7.43, at 32 2.11 / 4.57 / 6.37 / 10.3, at
-    64 3.17 / 5.21 / 6.29 / 16.1 (in the decode step at 64: 5.2 / 7.3), at 128 6.29 / 6.54 /
-    7.77 / 14.5; at B = 64 mlp_proj 11.9 / 12.1 / 12.7 / 30.5 (in the step 14.7 / 11.8), qkv
-    9.19 / 7.55 / 8.30 / 16.5, fc 10.5 / 8.07 / 8.96 / 16.3, LM head 214 / 133 / 79.3 / 64.0;
-    GPT-2 XL at 64: attn_proj (N = 1600) 12.8 / 8.68 / 10.5 / 17.9, qkv (4800) 35.5 / 27.5 /
-    22.3 / 21.2, fc (6400) 52.2 / 38.1 / 26.2 / 22.6.
+def _mma_tile(B: int, N: int, K: int, sms: int) -> int:
+    """n-tiles per block for B rows of x and a weight [N, K] on a GPU of ``sms`` SMs: the
+    most (each weight tile is read once per block row: fewer re-reads), up to what covers B,
+    that still leave the grid MMA_MIN_WARPS_PER_SM warps an SM; one n-tile up to 8 rows.
+    Measured on the H100 (the decode step with one product's n-tiles forced, graph + PDL, us
+    a step, the rule's choice first): GPT-2 small at B = 64 q|k|v 716 (4) / 780 (1) / 750
+    (2) / 753 (8), attention out 717 (1) / 715 (2) / 734 (4), MLP up 717 (4) / 768 (2) / 747
+    (8), MLP down 717 (2) / 769 (1) / 738 (4), LM head 717 (8) / 737 (4); at B = 128 MLP up
+    1273 (8) / 1298 (4), MLP down 1273 (4) / 1298 (2); at B = 256 MLP down 2280 (8) / 2342
+    (4) / 2373 (2); at B = 32 q|k|v 492 (2) / 501 (4); GPT-2 XL at B = 64 MLP down 6411 (4)
+    / 6733 (2), attention out 6600 (4) / 6733 (2). It misses two cases by 3%: GPT-2 small's
+    MLP down at B = 16 (1 n-tile 401, 2 391) and q|k|v at B = 128 (8 n-tiles 1339, 4 1298).
     (A kernel that staged W and x in shared memory, one weight read per 64 rows of x, with
     these k-groups and bits, measured 6.8-7.2 us for GPT-2 small's q|k|v and 7.0 for its MLP
-    up at 64 rows; with the LayerNorm taken in, 15 us against 10 for ln_rows and this
-    kernel; short weights and GPT-2 XL lost: it was not kept.)"""
+    up at 64 rows against 7.6 and 8.1, before the weights were requested a batch ahead; with
+    the LayerNorm taken in, 15 us against 10 for ln_rows and this kernel; short weights and
+    GPT-2 XL lost: it was not kept.)"""
     if B <= 8:
         return 1
-    if B <= 64 and N <= 1024 and K <= 1024:
-        return 1
-    cover = 1 << (_build.cdiv(B, 8) - 1).bit_length()  # n-tiles covering B, a power of two
-    return min(cover, 8 if N >= 4096 else 4 if N >= 2048 else 2)
+    nt = min(MMA_TILES[-1], 1 << (_build.cdiv(B, 8) - 1).bit_length())  # covering B, a power of two
+    blocks = _build.cdiv(N, 16)
+    while nt > 1 and blocks * _build.cdiv(B, 8 * nt) * _mma_warps(K) < MMA_MIN_WARPS_PER_SM * sms:
+        nt //= 2
+    return nt
 
 
 def _mma_batch(nt: int, long_rows: bool, one_wave: bool) -> int:
@@ -290,46 +300,67 @@ def ln_rows(x, ln) -> cupy.ndarray:
     return out
 
 
-def _mma_plan(B: int, N: int, K: int, ln: bool, tile, warps, sms: int, smem_limit: int, fold: bool = False):
+def _mma_m_tiles(N: int, nt: int, logits: bool, sms: int) -> int:
+    """m-tiles of 16 rows of W per block: two for float logits (store or argmax) of a tall
+    weight (grids of many waves) at 8 n-tiles, where every block reads its 64 rows of x from
+    L2 for one tile of W: two tiles halve those reads. GPT-2 small's LM head at B = 64 in the
+    decode step on the H100 (CUPTI trace, graph + PDL): 71 against 77 us. (The step's other
+    products, in one or two waves, would lose half their blocks.)"""
+    return 2 if logits and nt == MMA_TILES[-1] and _build.cdiv(N, 16) >= MMA_WIDE_BLOCKS * sms else 1
+
+
+def _mma_plan(B: int, N: int, K: int, ln: bool, tile, warps, sms: int, smem_limit: int, fold: bool = False,
+              logits: bool = False):
     """(n-tiles NT, chunks per batch U, warps KW, what the kernel does with x (X_PLAIN; X_LN:
     the LayerNorm in the prologue; X_LN_FOLD: folded into W and the epilogue), dynamic shared
-    memory, xs row stride) of a tensor-core launch; a function of sizes alone."""
+    memory, xs row stride, m-tiles MT) of a tensor-core launch; a function of sizes alone
+    (``logits``: float32 outputs, stored or reduced to the argmax)."""
     kw = warps or _mma_warps(K)
     blocks = _build.cdiv(N, 16)
     long_rows = _build.cdiv(_build.cdiv(K, 32), kw) > 4  # more than 4 chunks a warp
-    red = lambda nt: kw * 8 * nt * MMA_RED_STRIDE * 4  # noqa: E731
+    red = lambda nt, mt=1: kw * mt * 8 * nt * MMA_RED_STRIDE * 4  # noqa: E731
+    batch = lambda nt: _mma_batch(nt, long_rows, blocks <= 2 * sms)  # noqa: E731
     if fold:  # the rows' statistics, 8-byte sets of STATS_COLS values, share the partial tiles' shared memory
-        smem = lambda nt: max(red(nt), 8 * nt * _build.cdiv(K, STATS_COLS) * 8)  # noqa: E731
-        nt = tile or _mma_tile(B, N, K)
+        smem = lambda nt, mt=1: max(red(nt, mt), 8 * nt * _build.cdiv(K, STATS_COLS) * 8)  # noqa: E731
+        nt = tile or _mma_tile(B, N, K, sms)
         while nt > 1 and smem(nt) > smem_limit:  # (fewer n-tiles: the same numbers)
             nt //= 2
         if smem(nt) > smem_limit:
             raise ValueError(f"rows of {K} features are too wide for ln_fold: their statistics need "
                              f"{smem(nt)} bytes of shared memory, this GPU has {smem_limit}")
-        return nt, _mma_batch(nt, long_rows, blocks <= 2 * sms), kw, X_LN_FOLD, smem(nt), 0
+        mt = _mma_m_tiles(N, nt, logits, sms)
+        if smem(nt, mt) > smem_limit:
+            mt = 1
+        return nt, batch(nt), kw, X_LN_FOLD, smem(nt, mt), 0, mt
     prologue_nt = 1 if B <= 8 and long_rows and blocks <= 2 * sms else 2  # see _LN_PROLOGUE_TILES
     prologue = ln and B <= LN_PROLOGUE_ROWS and tile in (None, prologue_nt) and blocks <= LN_PROLOGUE_WAVE * sms
-    nt = prologue_nt if prologue else tile or _mma_tile(B, N, K)
+    nt = prologue_nt if prologue else tile or _mma_tile(B, N, K, sms)
     xs_stride = _build.cdiv(K, 64) * 64 + 32  # a row of xs 64 bytes past a multiple of 128: no bank conflicts
     smem = red(nt) + ((B * xs_stride + 2 * K) * 2 if prologue else 0)  # + xs and the LayerNorm parameters
     if prologue and smem > smem_limit:
         prologue, smem = False, red(nt)
     if ln and not prologue and tile is None:
-        nt = _mma_tile(B, N, K)
+        nt = _mma_tile(B, N, K, sms)
         smem = red(nt)
-    return nt, _mma_batch(nt, long_rows, blocks <= 2 * sms), kw, X_LN if prologue else X_PLAIN, smem, xs_stride
+    if prologue:
+        return nt, batch(nt), kw, X_LN, smem, xs_stride, 1
+    mt = _mma_m_tiles(N, nt, logits, sms)
+    if mt > 1 and red(nt, mt) > smem_limit:
+        mt = 1
+    return nt, batch(nt), kw, X_PLAIN, red(nt, mt), xs_stride, mt
 
 
 def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats):
     fold, stats_out = stats
-    nt, u, kw, xin, smem, xs_stride = _mma_plan(B, N, K, ln is not None, tile, warps,
-                                                _build.sm_count(cupy.cuda.Device().id), _build.smem_optin(),
-                                                fold=fold is not None)
+    nt, u, kw, xin, smem, xs_stride, mt = _mma_plan(B, N, K, ln is not None, tile, warps,
+                                                    _build.sm_count(cupy.cuda.Device().id), _build.smem_optin(),
+                                                    fold=fold is not None,
+                                                    logits=out_type == "float" and epi in ("store", "argmax"))
     if ln is not None and xin == X_PLAIN:  # normalize once, then the plain product (the same bits)
         x, ln = ln_rows(x, ln), None
-    kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, xin, epi))
+    kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, xin, epi, mt))
     _build.set_smem(kern, smem)
-    blocks = _build.cdiv(N, 16)
+    blocks = _build.cdiv(N, 16 * mt)
     if part is not None:
         part = part(blocks)
     null = 0

@@ -42,8 +42,14 @@ PLANS = 8
 # blocks of one trip each. H100, GPT-2 small float16, us a layer in a CUDA graph, 16 / 4
 # splits of 128-thread blocks (benchmarks/results/decode_splits-h100.json): batch 1 with 264
 # cached keys 4.3 / 4.3, with 1,000 4.6 / 5.1; batch 64 43.9 / 26.0 and 74.4 / 70.2; batch
-# 256 165.9 / 93.5 and 292.4 / 263.7.
-DECODE_SPLITS = 4
+# 256 165.9 / 93.5 and 292.4 / 263.7. Fewer still (H100, float16, the whole step in a CUDA
+# graph with programmatic launch, us for 4 / 3 / 2 splits): GPT-2 small with 270 cached keys
+# at batch 1 250 / 250 / 251, batch 64 714 / 688 / 669, batch 256 2247 / 2165 / 2090; with 500
+# keys batch 1 251-255 / 253 / 264, batch 64 863 / 850 / 851; with 900 keys batch 1 265-276 /
+# 273 / 297, batch 64 1157 / 1158 / 1162; GPT-2 XL at batch 1 with 270 keys 1890-1904 / 1871 /
+# 1868, with 900 1966 / 2002 / 2094, at batch 64 6403-6431 / 6265 / 6089. Three splits keep
+# batch 1 within 3% at any length and take 2-4% off the batched steps.
+DECODE_SPLITS = 3
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -398,7 +404,9 @@ class GPT2:
         # bucket (the chunks follow the split count and the sequence's own length): the block
         # width decode_attention picks for one sequence in the model's full length, and at
         # most DECODE_SPLITS splits, merged by a second kernel (GPT-2 small at B = 1: 2.8 + 1.7
-        # us a layer in a CUDA graph, 5.0 us with the last-block merge; decode_step.py, H100)
+        # us a layer in a CUDA graph, 5.0 us with the last-block merge; decode_step.py, H100;
+        # the whole step with programmatic launch at B = 1 / 8 / 64 / 256: 251 / 303 / 712 / 2249
+        # us, 257 / 312 / 764 / 2458 with the last-block merge)
         alone = launch_config(self.dtype, cache.k.dtype, 1, H, H, D, cfg.n_positions)
         splits = min(alone.splits, DECODE_SPLITS)
         stats = buf.stats if self.folded else None  # [B, C / 16, 2]: of the residual stream buf.x

@@ -39,8 +39,9 @@
 //
 // Specializations: linear_kernel: T in {float, __half, __nv_bfloat16} x OutT in {T, float}
 // x VEC (1, and 4 for float) x (RW, U) tiles x BR in {1, 4} x LN x EPI; linear_mma_kernel:
-// T in {__half, __nv_bfloat16} x OutT x NT n-tiles x U x XIN x EPI; ln_rows_kernel: T
-// (cupy_kernels/linear.py, where each launch shape is chosen, with the measurements behind it).
+// T in {__half, __nv_bfloat16} x OutT x NT n-tiles x U x XIN x EPI x MT m-tiles (2: float
+// logits at NT = 8); ln_rows_kernel: T (cupy_kernels/linear.py, where each launch shape is
+// chosen, with the measurements behind it).
 // Wrapper: cupy_kernels/linear.py   Tests: tests/test_kernels_gpu.py
 // Benchmark: benchmarks/decode_step.py (every GPT-2 weight shape, each tile)
 #include "common.cuh"
@@ -451,13 +452,15 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 1)  // (without the 1, ptxas c
 // of the warp covers 8 rows x 64 contiguous bytes. At batch 1 seven of the eight columns
 // of each mma are zeros; the tensor cores have the time (2 mma per 1 KB of W read).
 //
-// Block (blockIdx.x, blockIdx.y): KW warps on one tile of 16 rows of W and NT n-tiles of x
+// Block (blockIdx.x, blockIdx.y): KW warps on MT tiles of 16 rows of W and NT n-tiles of x
 // (rows blockIdx.y * 8 NT ..; each tile of W is read once per block row, from L2 after the
-// first); warp w takes chunks w, w + KW, w + 2 KW, ...
-// in increasing order (together the warps sweep each row front to back), in batches of U
-// chunks (2 U loads of W and U NT of x in flight per lane; the next batch once these are
-// used). The
-// warps' float32 partial tiles then meet in shared memory and are added in warp order.
+// first); warp w takes chunks w, w + KW, w + 2 KW, ... in increasing order (together the
+// warps sweep each row front to back), in batches of U chunks (2 U MT loads of W and U NT of
+// x in flight per lane; the next batch's W once these are used, or with several n-tiles
+// before this batch's mma: W_AHEAD). The warps' float32 partial tiles then meet in shared
+// memory and are added in warp order. MT = 2 only for float logits of tall weights at 8
+// n-tiles: each x fragment then feeds two tiles of W, half the reads of x from L2 (GPT-2
+// small's LM head at B = 64 in the step, graph + PDL: 71 against 77 us).
 // KW is a function of K alone (the wrapper), so an output's bits depend on K alone: not on
 // the batch, the row's place in its n-tile, the n-tiles per block (NT) or the grid. A
 // sequence gets the same numbers alone and in any batch.
@@ -490,18 +493,29 @@ constexpr int LN_VECS = 4;      // 16-byte vectors of a LayerNorm row a lane loa
 // where m and r come from the row statistics the product that wrote x left (row_stats).
 enum XInput : int { X_PLAIN = 0, X_LN = 1, X_LN_FOLD = 2 };
 
-// Blocks an SM holds at once (registers per thread <= 65536 / (256 x this)): 4 (64 registers)
-// for U <= 4 chunks a batch, 2 (128) for U = 8, 3 (80) with the LayerNorm prologue at U = 4,
-// which runs with NT = 2 (ptxas spilled NT = 1 at 80 registers, and NT = 2 at 64). With the
-// folded LayerNorm the accumulators live through the statistics: 3 at NT = 8 (36 bytes
-// spilled at 64 registers), 2 at NT = 2 (4 bytes at 80) and for the argmax (8 at 80); NT = 1
-// stays at 4 (3 put GPT-2 XL's MLP up, 400 blocks, in two waves: 10.75 against 8.08 us).
-// (Tuned on the H100; before sm_90, ptxas spilled at 64 registers: 2 there, as for U = 8.)
-template <int NT, int U, int XIN, int EPI> constexpr int mma_min_blocks() {
+// Several n-tiles (B > 8) request the next batch's W before this batch's mma: two sets of W
+// registers. H100, the decode step in a CUDA graph with PDL, GPT-2 small float16, us without
+// / with: B = 16 424 / 390, 32 624 / 498, 64 854 / 716, 128 1352 / 1307, 256 2480 / 2368
+// (GPT-2 XL at 64: 6786 / 6793). One n-tile lost with it (110 registers for 64, half the
+// blocks an SM: small at B = 1 251 / 258 us, XL 1892 / 2167). x's next batch ahead as well,
+// by cp.async into a ring of two batches a thread in shared memory, lost: B = 64 790 against
+// 691 us, XL at 64 7541 / 6308.
+template <int NT, int U> constexpr bool W_AHEAD() { return NT >= 2; }
+
+// Blocks an SM holds at once (registers per thread <= 65536 / (256 x this)). One n-tile: 4
+// (64 registers) for U <= 4 chunks a batch, 2 (128) for U = 8, 3 (80) with the LayerNorm
+// prologue (ptxas spilled it at 64); with the folded LayerNorm 2 for the argmax (8 bytes
+// spilled at 80), else 4 (3 put GPT-2 XL's MLP up, 400 blocks, in two waves: 10.75 against
+// 8.08 us). Several n-tiles (W_AHEAD): 2, 106-128 registers (4 blocks of GPT-2 small's 4
+// warps). Two m-tiles: 1, 156-188 registers (3 blocks of 4 warps). (Tuned on the H100;
+// before sm_90, ptxas spilled at 64 registers: 2 there, 1 for two m-tiles.)
+template <int NT, int U, int XIN, int EPI, int MT> constexpr int mma_min_blocks() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-    return 2;
+    return MT > 1 ? 1 : 2;
 #else
-    if constexpr (XIN == X_LN_FOLD) return U > 4 || EPI == ARGMAX || NT == 2 ? 2 : NT == 8 ? 3 : 4;
+    if constexpr (MT > 1) return 1;
+    if constexpr (W_AHEAD<NT, U>()) return 2;
+    if constexpr (XIN == X_LN_FOLD) return U > 4 || EPI == ARGMAX ? 2 : 4;
     return U > 4 ? 2 : XIN == X_LN ? 3 : 4;
 #endif
 }
@@ -593,8 +607,8 @@ __device__ __forceinline__ void ln_row(T* dst, T* stage, const T* xr, const T* l
 }
 }  // namespace
 
-template <typename T, typename OutT, int NT, int U, int XIN, int EPI>
-__global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN, EPI>())
+template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT>
+__global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN, EPI, MT>())
     linear_mma_kernel(OutT* y, const T* x, const T* __restrict__ W, const T* __restrict__ bias,
                       const T* __restrict__ ln_w, const T* __restrict__ ln_b, float eps, const T* res,
                       float* __restrict__ part_val, int* __restrict__ part_idx, T* __restrict__ k_cache,
@@ -603,46 +617,60 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
                       float2* __restrict__ stats_out, const float* __restrict__ fold_u,
                       const float* __restrict__ fold_c) {
     constexpr int COLS = 8 * NT;  // rows of x per block
+    constexpr int TM = 16 * MT;   // rows of W per block
+    static_assert(MT == 1 || EPI == STORE || EPI == ARGMAX, "several m-tiles: the LM head's epilogues");
     constexpr bool LN = XIN == X_LN;
     extern __shared__ float4 smem4[];
     const int KW = blockDim.x >> 5;
-    float* red = reinterpret_cast<float*>(smem4);                 // [KW][COLS][RED_STRIDE] partial tiles
-    T* xs = reinterpret_cast<T*>(red + KW * COLS * RED_STRIDE);  // LN: [B][xs_stride] normalized rows
-    T* lnp = xs + B * xs_stride;                                  // LN: [2][K] its weight and bias
+    float* red = reinterpret_cast<float*>(smem4);                      // [KW][MT][COLS][RED_STRIDE] partial tiles
+    T* xs = reinterpret_cast<T*>(red + KW * MT * COLS * RED_STRIDE);  // LN: [B][xs_stride] normalized rows
+    T* lnp = xs + B * xs_stride;                                       // LN: [2][K] its weight and bias
     float2* sets = reinterpret_cast<float2*>(smem4);  // X_LN_FOLD: [COLS][n_sets], before red is written
-    __shared__ float s_bias[16];       // (X_LN_FOLD: c)
-    __shared__ float s_u[16];          // X_LN_FOLD: u
+    __shared__ float s_bias[TM];       // (X_LN_FOLD: c)
+    __shared__ float s_u[TM];          // X_LN_FOLD: u
     __shared__ float s_mean[COLS], s_rstd[COLS];  // X_LN_FOLD: of the block's rows of x
-    __shared__ float s_out[COLS][16];  // ARGMAX: the block's values
+    __shared__ float s_out[COLS][TM];  // ARGMAX: the block's values
+    // the next kernel may start: its weights stream in while this one runs (triggering after
+    // the main loop instead, in grids of several block rows, gained up to 6% at B = 32 and 64
+    // before W_AHEAD and nothing after it: B = 64 719 against 726 us, B = 16 384 / 376)
     griddep_launch_dependents();
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.x * 16, b0 = blockIdx.y * COLS;  // the block's 16 rows of W, COLS rows of x
+    const int m0 = blockIdx.x * TM, b0 = blockIdx.y * COLS;  // the block's TM rows of W, COLS rows of x
     const int n_chunks = (K + 31) / 32;
     const int my_chunks = warp < n_chunks ? (n_chunks - 1 - warp) / KW + 1 : 0;
-    const bool row_a = m0 + g < N, row_b = m0 + g + 8 < N;
-    const T* wa_p = W + static_cast<long long>(row_a ? m0 + g : 0) * K + 8 * t;
-    const T* wb_p = W + static_cast<long long>(row_b ? m0 + g + 8 : 0) * K + 8 * t;
+    bool row_a[MT], row_b[MT];  // m-tile mt: rows m0 + 16 mt + g and + 8 of W
+    const T *wa_p[MT], *wb_p[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int ra = m0 + 16 * mt + g;
+        row_a[mt] = ra < N, row_b[mt] = ra + 8 < N;
+        wa_p[mt] = W + static_cast<long long>(row_a[mt] ? ra : 0) * K + 8 * t;
+        wb_p[mt] = W + static_cast<long long>(row_b[mt] ? ra + 8 : 0) * K + 8 * t;
+    }
 
-    uint4 wa[U], wb[U];  // this batch's chunks of rows g and g + 8
-    auto load_w = [&](int j0) {
+    uint4 wa[MT][U], wb[MT][U];  // this batch's chunks of rows g and g + 8 of each m-tile
+    auto load_w = [&](uint4 (&a)[MT][U], uint4 (&b)[MT][U], int j0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int j = j0 + u, col = 32 * (warp + j * KW);
             const bool ok = j < my_chunks && col + 8 * t < K;
-            wa[u] = ok && row_a ? load_stream16(wa_p + col) : make_uint4(0, 0, 0, 0);
-            wb[u] = ok && row_b ? load_stream16(wb_p + col) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][u] = ok && row_a[mt] ? load_stream16(wa_p[mt] + col) : make_uint4(0, 0, 0, 0);
+                b[mt][u] = ok && row_b[mt] ? load_stream16(wb_p[mt] + col) : make_uint4(0, 0, 0, 0);
+            }
         }
     };
     // before the wait: only what no kernel of the step writes (weights, bias, LN parameters)
-    load_w(0);
+    load_w(wa, wb, 0);
     if constexpr (XIN == X_LN_FOLD) {
-        if (threadIdx.x < 16) {
+        if (threadIdx.x < TM) {
             const bool in = m0 + threadIdx.x < N;
             s_bias[threadIdx.x] = in ? fold_c[m0 + threadIdx.x] : 0.0f;
             s_u[threadIdx.x] = in ? fold_u[m0 + threadIdx.x] : 0.0f;
         }
-    } else if (threadIdx.x < 16) {
+    } else if (threadIdx.x < TM) {
         s_bias[threadIdx.x] = bias != nullptr && m0 + threadIdx.x < N ? to_float(bias[m0 + threadIdx.x]) : 0.0f;
     }
     if constexpr (LN) {  // into shared memory, without registers: one L2 round trip less after the wait
@@ -670,9 +698,11 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
         __syncthreads();
     }
 
-    float acc[NT][4];
+    float acc[MT][NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
     for (int j0 = 0; j0 < my_chunks; j0 += U) {
         uint4 xv[U][NT];
 #pragma unroll
@@ -691,17 +721,32 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
                 }
             }
         }
+        uint4 wa_next[MT][U], wb_next[MT][U];  // W_AHEAD: the next batch's W, requested before this one's mma
+        if constexpr (W_AHEAD<NT, U>()) {
+            if (j0 + U < my_chunks) load_w(wa_next, wb_next, j0 + U);
+        }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const unsigned a0[4] = {wa[u].x, wb[u].x, wa[u].y, wb[u].y};  // memory columns 8t .. 8t+3
-            const unsigned a1[4] = {wa[u].z, wb[u].z, wa[u].w, wb[u].w};  // 8t+4 .. 8t+7
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                mma_m16n8k16<T>(acc[nt], a0, xv[u][nt].x, xv[u][nt].y);
-                mma_m16n8k16<T>(acc[nt], a1, xv[u][nt].z, xv[u][nt].w);
+            for (int mt = 0; mt < MT; ++mt) {
+                const uint4 &ra = wa[mt][u], &rb = wb[mt][u];
+                const unsigned a0[4] = {ra.x, rb.x, ra.y, rb.y};  // memory columns 8t .. 8t+3
+                const unsigned a1[4] = {ra.z, rb.z, ra.w, rb.w};  // 8t+4 .. 8t+7
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    mma_m16n8k16<T>(acc[mt][nt], a0, xv[u][nt].x, xv[u][nt].y);
+                    mma_m16n8k16<T>(acc[mt][nt], a1, xv[u][nt].z, xv[u][nt].w);
+                }
             }
         }
-        if (j0 + U < my_chunks) load_w(j0 + U);
+        if constexpr (W_AHEAD<NT, U>()) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int u = 0; u < U; ++u) wa[mt][u] = wa_next[mt][u], wb[mt][u] = wb_next[mt][u];
+        } else if (j0 + U < my_chunks) {
+            load_w(wa, wb, j0 + U);
+        }
     }
     const int nb = min(COLS, B - b0);  // rows of x in this block
     if constexpr (XIN == X_LN_FOLD) {  // the mean and rstd of the block's rows, 4 rows a warp at once
@@ -723,25 +768,30 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
         __syncthreads();  // the sets are read: their shared memory takes the partial tiles
     }
     // partial tiles to shared memory: c[0], c[1] are row g, columns 2t, 2t+1; c[2], c[3] row g + 8
-    float* mine = red + warp * COLS * RED_STRIDE;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int c = nt * 8 + 2 * t;
-        mine[c * RED_STRIDE + g] = acc[nt][0];
-        mine[(c + 1) * RED_STRIDE + g] = acc[nt][1];
-        mine[c * RED_STRIDE + g + 8] = acc[nt][2];
-        mine[(c + 1) * RED_STRIDE + g + 8] = acc[nt][3];
+    for (int mt = 0; mt < MT; ++mt) {
+        float* mine = red + (warp * MT + mt) * COLS * RED_STRIDE;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const int c = nt * 8 + 2 * t;
+            mine[c * RED_STRIDE + g] = acc[mt][nt][0];
+            mine[(c + 1) * RED_STRIDE + g] = acc[mt][nt][1];
+            mine[c * RED_STRIDE + g + 8] = acc[mt][nt][2];
+            mine[(c + 1) * RED_STRIDE + g + 8] = acc[mt][nt][3];
+        }
     }
     __syncthreads();
-    // the epilogue: thread o -> row r = o % 16 of the tile, row b0 + o / 16 of x (every
-    // thread takes the same number of trips: the RESIDUAL statistics shuffle in half-warps)
-    for (int o0 = 0; o0 < 16 * nb; o0 += blockDim.x) {
+    // the epilogue: thread o -> row r = o % TM of the block's rows of W (m-tile r / 16), row
+    // b0 + o / TM of x (every thread takes the same number of trips: the RESIDUAL statistics
+    // shuffle in half-warps)
+    for (int o0 = 0; o0 < TM * nb; o0 += blockDim.x) {
         const int o = o0 + threadIdx.x;
-        const int r = o & 15, bl = o >> 4, n = m0 + r, b = b0 + bl;
-        const bool active = o < 16 * nb, valid = active && n < N;
+        const int r = o % TM, bl = o / TM, n = m0 + r, b = b0 + bl;
+        const bool active = o < TM * nb, valid = active && n < N;
         float s = 0.0f;
         if (active) {
-            for (int w = 0; w < KW; ++w) s += red[(w * COLS + bl) * RED_STRIDE + r];  // in warp order
+            const float* part = red + (r >> 4) * COLS * RED_STRIDE + bl * RED_STRIDE + (r & 15);
+            for (int w = 0; w < KW; ++w) s += part[w * MT * COLS * RED_STRIDE];  // in warp order
             if constexpr (XIN == X_LN_FOLD) s = __fmul_rn(__fmaf_rn(-s_mean[bl], s_u[r], s), s_rstd[bl]);
         }
         if (!valid) {
@@ -790,7 +840,7 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
             const int bl = threadIdx.x;
             float v = -INFINITY;
             int idx = -1;
-            for (int r = 0; r < 16 && m0 + r < N; ++r) keep_max(v, idx, s_out[bl][r], m0 + r);
+            for (int r = 0; r < TM && m0 + r < N; ++r) keep_max(v, idx, s_out[bl][r], m0 + r);
             part_val[static_cast<long long>(b0 + bl) * gridDim.x + blockIdx.x] = v;
             part_idx[static_cast<long long>(b0 + bl) * gridDim.x + blockIdx.x] = idx;
         }

@@ -123,12 +123,15 @@ def test_every_tensor_core_launch_shape_is_declared(sms, smem):
             for K in (8, 72, 768, 776, 1600, 3072, 6400):
                 for tile in (None, *lin.MMA_TILES):
                     for ln, fold in ((False, False), (True, False), (False, True)):
-                        nt, u, kw, xin, smem_bytes, _ = lin._mma_plan(B, N, K, ln, tile, None, sms, smem, fold)
-                        assert 1 <= kw <= lin.MMA_MAX_WARPS and smem_bytes <= smem
-                        assert xin == lin.X_LN_FOLD if fold else xin in (lin.X_PLAIN, lin.X_LN)
-                        assert xin != lin.X_LN or B <= 8 * nt
                         for out, epi in epis:
                             if epi == "residual" and out == "float" or ((ln or fold) and epi == "residual"):
                                 continue
-                            name = lin._mma_name("__half", out if out == "float" else "__half", nt, u, xin, epi)
+                            logits = out == "float" and epi in ("store", "argmax")
+                            nt, u, kw, xin, smem_bytes, _, mt = lin._mma_plan(B, N, K, ln, tile, None, sms, smem,
+                                                                              fold, logits)
+                            assert 1 <= kw <= lin.MMA_MAX_WARPS and smem_bytes <= smem
+                            assert xin == lin.X_LN_FOLD if fold else xin in (lin.X_PLAIN, lin.X_LN)
+                            assert xin != lin.X_LN or B <= 8 * nt
+                            assert mt == 1 or logits
+                            name = lin._mma_name("__half", out if out == "float" else "__half", nt, u, xin, epi, mt)
                             assert name in declared, (B, N, K, tile, ln, fold, name)

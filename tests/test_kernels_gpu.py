@@ -153,6 +153,8 @@ LINEAR_CASES = [  # (B, N, K, variant): GPT-2 small / XL decode shapes, batches,
     # batches: passes of 64 rows of x, the LayerNorm ahead of the product past 16 rows
     (17, 2304, 768, "ln"), (64, 3072, 768, "ln_gelu"), (255, 768, 3072, "residual"), (33, 1000, 1600, "ln_logits"),
     (100, 200, 776, "gelu"),
+    # the LM head past 32 rows: two m-tiles a block, the last one's second tile partly / wholly past N
+    (64, 50257, 768, "logits"), (40, 50241, 72, "ln_logits"),
 ]
 
 
@@ -317,6 +319,9 @@ def test_linear_layernorm_folded(B, K1, C, N, dtype):
     check(logits, pre, dtype)
     assert tokens.get().tolist() == np.argmax(logits.get(), axis=1).tolist()
     assert cp.array_equal(K.linear_argmax(res, wf, ln_fold=fold), tokens)
+    # ... and a row's logits alone, from the plain float32 store (one n-tile and m-tile)
+    assert cp.array_equal(K.linear(res[B - 1:], wf, ln_fold=last, out_dtype=np.float32)[0], logits[B - 1])
+    assert cp.array_equal(K.linear(res, wf, ln_fold=fold, out_dtype=np.float32), logits)
     # q|k|v into the cache
     if N % 3 == 0 and (N // 3) % 64 == 0:
         H, S_max = N // 3 // 64, 9
@@ -369,7 +374,7 @@ def test_linear_folded_layernorm_bad_inputs_raise():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,N,K_,ln", [(1, 50257, 768, True), (3, 50257, 1600, True), (2, 1000, 768, False),
-                                       (9, 77, 781, True)])
+                                       (9, 77, 781, True), (48, 50241, 776, False)])
 def test_linear_argmax(B, N, K_, ln, dtype):
     rng = np.random.default_rng(N + B)
     x, w, b, kw, expect = _linear_case(rng, B, N, K_, "ln_logits" if ln else "logits", dtype)
