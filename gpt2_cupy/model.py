@@ -406,7 +406,9 @@ class GPT2:
         # most DECODE_SPLITS splits, merged by a second kernel (GPT-2 small at B = 1: 2.8 + 1.7
         # us a layer in a CUDA graph, 5.0 us with the last-block merge; decode_step.py, H100;
         # the whole step with programmatic launch at B = 1 / 8 / 64 / 256: 251 / 303 / 712 / 2249
-        # us, 257 / 312 / 764 / 2458 with the last-block merge)
+        # us, 257 / 312 / 764 / 2458 with the last-block merge; merged instead by every block
+        # of the attention projection in its prologue, a thread per column in turn: 362 / 788
+        # us at B = 1 / 8, against 255 / 296)
         alone = launch_config(self.dtype, cache.k.dtype, 1, H, H, D, cfg.n_positions)
         splits = min(alone.splits, DECODE_SPLITS)
         stats = buf.stats if self.folded else None  # [B, C / 16, 2]: of the residual stream buf.x
