@@ -507,7 +507,7 @@ template <int NT, int U> constexpr bool W_AHEAD() { return NT >= 2; }
 // prologue (ptxas spilled it at 64); with the folded LayerNorm 2 for the argmax (8 bytes
 // spilled at 80), else 4 (3 put GPT-2 XL's MLP up, 400 blocks, in two waves: 10.75 against
 // 8.08 us). Several n-tiles (W_AHEAD): 2, 106-128 registers (4 blocks of GPT-2 small's 4
-// warps). Two m-tiles: 1, 156-188 registers (3 blocks of 4 warps). (Tuned on the H100;
+// warps). Two m-tiles: 1, 156-188 registers (2-3 blocks of 4 warps). (Tuned on the H100;
 // before sm_90, ptxas spilled at 64 registers: 2 there, 1 for two m-tiles.)
 template <int NT, int U, int XIN, int EPI, int MT> constexpr int mma_min_blocks() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
