@@ -500,7 +500,7 @@ enum XInput : int { X_PLAIN = 0, X_LN = 1, X_LN_FOLD = 2 };
 // blocks an SM: small at B = 1 251 / 258 us, XL 1892 / 2167). x's next batch ahead as well,
 // by cp.async into a ring of two batches a thread in shared memory, lost: B = 64 790 against
 // 691 us, XL at 64 7541 / 6308.
-template <int NT, int U> constexpr bool W_AHEAD() { return NT >= 2; }
+template <int NT> constexpr bool W_AHEAD() { return NT >= 2; }
 
 // Blocks an SM holds at once (registers per thread <= 65536 / (256 x this)). One n-tile: 4
 // (64 registers) for U <= 4 chunks a batch, 2 (128) for U = 8, 3 (80) with the LayerNorm
@@ -514,7 +514,7 @@ template <int NT, int U, int XIN, int EPI, int MT> constexpr int mma_min_blocks(
     return MT > 1 ? 1 : 2;
 #else
     if constexpr (MT > 1) return 1;
-    if constexpr (W_AHEAD<NT, U>()) return 2;
+    if constexpr (W_AHEAD<NT>()) return 2;
     if constexpr (XIN == X_LN_FOLD) return U > 4 || EPI == ARGMAX ? 2 : 4;
     return U > 4 ? 2 : XIN == X_LN ? 3 : 4;
 #endif
@@ -722,7 +722,7 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
             }
         }
         uint4 wa_next[MT][U], wb_next[MT][U];  // W_AHEAD: the next batch's W, requested before this one's mma
-        if constexpr (W_AHEAD<NT, U>()) {
+        if constexpr (W_AHEAD<NT>()) {
             if (j0 + U < my_chunks) load_w(wa_next, wb_next, j0 + U);
         }
 #pragma unroll
@@ -739,7 +739,7 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
                 }
             }
         }
-        if constexpr (W_AHEAD<NT, U>()) {
+        if constexpr (W_AHEAD<NT>()) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
