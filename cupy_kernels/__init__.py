@@ -7,6 +7,8 @@ float32, float16 and bfloat16; arithmetic and reductions are float32.
 
 from .attention import causal_attention
 from .decode_attention import decode_attention
+from .decode_step import decode_step
+from .decode_step import unsupported as decode_step_unsupported
 from .embedding import embedding
 from .flash_attention import flash_attention
 from .gemm import gemm
@@ -24,6 +26,8 @@ __all__ = [
     "bias_gelu",
     "causal_attention",
     "decode_attention",
+    "decode_step",
+    "decode_step_unsupported",
     "embedding",
     "flash_attention",
     "fold_layernorm",

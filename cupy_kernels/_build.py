@@ -54,13 +54,16 @@ ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 
 _declared: dict[str, list[str]] = {}
 _pdl: set[tuple[str, str]] = set()  # specializations that call griddep_wait() first (common.cuh)
+_cooperative: set[tuple[str, str]] = set()  # specializations whose blocks must all be resident at once
 
 
-def declare(source: str, name_expressions, pdl: bool = False) -> None:
+def declare(source: str, name_expressions, pdl: bool = False, cooperative: bool = False) -> None:
     """Register template specializations of ``src_cu/<source>`` (call at import).
 
     ``pdl``: the kernels call ``griddep_wait()`` before touching anything an earlier
-    kernel wrote, so a captured plan may launch them with programmatic dependent launch."""
+    kernel wrote, so a captured plan may launch them with programmatic dependent launch.
+    ``cooperative``: the kernels synchronize across blocks, so every launch of them goes
+    through the driver's ``cuLaunchKernelEx`` as a cooperative launch (all blocks resident)."""
     if not (SRC_DIR / source).is_file():
         raise FileNotFoundError(f"no kernel source {SRC_DIR / source}")
     names = _declared.setdefault(source, [])
@@ -69,6 +72,8 @@ def declare(source: str, name_expressions, pdl: bool = False) -> None:
             names.append(name)
         if pdl:
             _pdl.add((source, name))
+        if cooperative:
+            _cooperative.add((source, name))
 
 
 def declared() -> dict[str, tuple[str, ...]]:
@@ -143,7 +148,10 @@ def kernel(source: str, name_expression: str):
             f"{name_expression} is not a declared specialization of {source}; declared:\n  {listing}"
         )
     kern = _module(source, (name_expression,), options()).get_function(name_expression)
-    return kern if _plan is None else _Recorder(kern, _plan, (source, name_expression) in _pdl)
+    key = (source, name_expression)
+    if key in _cooperative:
+        return _Cooperative(kern) if _plan is None else _Recorder(kern, _plan, False, True)
+    return kern if _plan is None else _Recorder(kern, _plan, key in _pdl)
 
 
 # ---------------------------------------------------------------------------------------
@@ -156,6 +164,7 @@ class Launch(NamedTuple):
     args: tuple
     shared_mem: int
     pdl: bool = False  # may start before the previous kernel ends (it waits in griddep_wait)
+    cooperative: bool = False  # all blocks resident at once (cuLaunchKernelEx, cooperative)
 
 
 class Plan(list):
@@ -171,18 +180,46 @@ class Plan(list):
 
     def replay(self, pdl: bool = False) -> None:
         for launch in self:
-            if pdl and launch.pdl:
-                _launch_pdl(launch)
+            if launch.cooperative:
+                _launch_ex(launch, pdl=False, cooperative=True)
+            elif pdl and launch.pdl:
+                _launch_ex(launch, pdl=True)
             else:
                 launch.kernel(launch.grid, launch.block, launch.args, shared_mem=launch.shared_mem)
 
 
 class _Recorder:
-    def __init__(self, kern, plan: Plan, pdl: bool):
-        self.raw, self._plan, self._pdl = kern, plan, pdl
+    def __init__(self, kern, plan: Plan, pdl: bool, cooperative: bool = False):
+        self.raw, self._plan, self._pdl, self._cooperative = kern, plan, pdl, cooperative
 
     def __call__(self, grid, block, args, shared_mem=0):
-        self._plan.append(Launch(self.raw, tuple(grid), tuple(block), tuple(args), shared_mem, self._pdl))
+        self._plan.append(Launch(self.raw, tuple(grid), tuple(block), tuple(args), shared_mem, self._pdl,
+                                 self._cooperative))
+
+
+class _Cooperative:
+    """A kernel declared cooperative, called like a RawKernel."""
+
+    def __init__(self, kern):
+        self.raw = kern
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        _launch_ex(Launch(self.raw, tuple(grid), tuple(block), tuple(args), shared_mem, False, True), pdl=False,
+                   cooperative=True)
+
+
+def cooperative_supported() -> bool:
+    """Whether this process can make cooperative launches: a device that supports them, and
+    NVIDIA's ``cuda.bindings`` (cuda-python) for ``cuLaunchKernelEx``."""
+    import cupy
+
+    if not cupy.cuda.Device().attributes.get("CooperativeLaunch", 0):
+        return False
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def pdl_supported() -> bool:
@@ -223,7 +260,9 @@ def _c_arg(a):
     raise TypeError(f"no programmatic-launch packing for a kernel argument of type {type(a).__name__}")
 
 
-def _launch_pdl(launch: Launch) -> None:
+def _launch_ex(launch: Launch, pdl: bool, cooperative: bool = False) -> None:
+    """``launch`` through the driver's cuLaunchKernelEx on the current stream, with
+    programmatic stream serialization (``pdl``) and / or as a cooperative launch."""
     import ctypes
 
     import cupy
@@ -238,11 +277,19 @@ def _launch_pdl(launch: Launch) -> None:
     config.blockDimX, config.blockDimY, config.blockDimZ = block
     config.sharedMemBytes = launch.shared_mem
     config.hStream = driver.CUstream(cupy.cuda.get_current_stream().ptr)
-    attr = driver.CUlaunchAttribute()
-    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
-    config.attrs = [attr]
-    config.numAttrs = 1
+    attrs = []
+    if pdl:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    if cooperative:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+        attr.value.cooperative = 1
+        attrs.append(attr)
+    config.attrs = attrs
+    config.numAttrs = len(attrs)
     (err,) = driver.cuLaunchKernelEx(config, driver.CUfunction(launch.kernel.kernel.ptr), ctypes.addressof(params), 0)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuLaunchKernelEx of {launch.kernel.name}: {err}")

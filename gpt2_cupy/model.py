@@ -150,6 +150,11 @@ class GPT2:
             _Block(**{f: weights[f"h.{i}.{k}"] for f, k in fields.items()}) for i in range(config.n_layer)
         ]
         self._engine = None
+        # True: greedy decoding of one sequence in a 16-bit model runs as one persistent kernel
+        # (record_step, cupy_kernels.decode_step), with the same numbers as the kernel-by-kernel
+        # step. Off by default: it is slower so far (H100, GPT-2 small float16 in a CUDA graph:
+        # 392 against 252 us a step; decode_step.cu says where the time goes)
+        self.fused_step = False
         if self.wte.shape != (config.vocab_size, C):
             raise ValueError(f"wte has shape {self.wte.shape}, expected {(config.vocab_size, C)}")
         self.lm_head_b = self.head_u = self.head_c = None  # [V] when ln_f is folded into the LM head
@@ -416,6 +421,10 @@ class GPT2:
         def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm
             return dict(ln_fold=(stats, u, c, eps)) if folded else dict(bias=b, ln=ln)
 
+        if self.fused_step and B == 1 and sampling is None and cache.k_scale is None and self.folded:
+            why = K.decode_step_unsupported(self.dtype, C, H, splits, alone.threads)
+            if why is None:
+                return self._record_fused_step(cache, buf, splits, alone.threads)
         with _build.recording() as plan:
             K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x)
             for i, blk in enumerate(self.blocks):
@@ -438,6 +447,21 @@ class GPT2:
                 K.linear(buf.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=buf.x, out=buf.x, stats_out=stats)
             self.head(buf, sampling, stats)
             K.kv_advance(cache.positions)
+        return plan
+
+    def _record_fused_step(self, cache: KVCache, buf, splits: int, attention_threads: int) -> _build.Plan:
+        """The decode step of one greedy sequence as one persistent kernel (cupy_kernels.decode_step):
+        the same numbers as the launches of record_step, with barriers for kernel boundaries."""
+        first = self.blocks[0]
+        layers = [{"attn_w": b.attn_w, "attn_b": b.attn_b, "attn_u": b.attn_u, "attn_c": b.attn_c,
+                   "proj_w": b.attn_proj_w, "proj_b": b.attn_proj_b, "fc_w": b.fc_w, "fc_u": b.fc_u, "fc_c": b.fc_c,
+                   "mlp_w": b.mlp_proj_w, "mlp_b": b.mlp_proj_b, "ln1_w": first.ln_1_w, "ln1_b": first.ln_1_b}
+                  for b in self.blocks]
+        with _build.recording() as plan:
+            K.decode_step(buf.tokens, cache.positions, cache.lengths, buf.x, buf.qkv, buf.f, buf.stats, cache.k,
+                          cache.v, layers, self.wte, self.wpe, self.lm_head, self.head_u, self.head_c,
+                          eps=self.config.layer_norm_epsilon, splits=splits,
+                          attention_threads=attention_threads)
         return plan
 
     @property

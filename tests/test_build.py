@@ -9,7 +9,7 @@ import cupy_kernels  # noqa: F401  (declares every specialization)
 from cupy_kernels import _build
 
 SOURCES = sorted(_build.declared())
-TENSOR_CORE_SOURCES = {"flash_attention.cu", "gemm.cu"}  # float16 and bfloat16 only
+TENSOR_CORE_SOURCES = {"flash_attention.cu", "gemm.cu", "decode_step.cu"}  # float16 and bfloat16 only
 FLOAT32_SOURCES = {"flash_attention_tf32.cu"}  # float32 only: templated on head dim, not on the dtype
 
 
@@ -26,6 +26,12 @@ def test_every_kernel_file_declares_specializations():
             assert wanted <= first_args, (source, wanted - first_args)
 
 
+# Sources whose kernels still use local memory, knowingly: the fused decode step calls its
+# attention out of line (the call saves registers on the stack) and spills a little at 255
+# registers (decode_step.cu's header). Checked to compile, not to be free of local memory.
+LOCAL_MEMORY_KNOWN = {"decode_step.cu"}
+
+
 @pytest.mark.parametrize("arch", _build.ARCHS)
 @pytest.mark.parametrize("source", SOURCES)
 def test_compiles_for_arch_without_spills(source, arch):
@@ -35,7 +41,7 @@ def test_compiles_for_arch_without_spills(source, arch):
     # ptxas's resource report: no local memory (spills, or register arrays indexed at run time)
     assert all("registers" in r and "spills" in r for r in report.values()), report
     local = {name: (r["stack"], r["spills"], r["registers"]) for name, r in report.items() if r["stack"] or r["spills"]}
-    assert not local, f"stack bytes, spill bytes, registers: {local}"
+    assert source in LOCAL_MEMORY_KNOWN or not local, f"stack bytes, spill bytes, registers: {local}"
 
 
 def test_bfloat16_is_in_the_dtype_table():

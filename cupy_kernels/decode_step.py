@@ -1,0 +1,116 @@
+"""The whole decode step of a 16-bit GPT-2 for one sequence as one persistent, cooperative
+kernel: embedding, every block, the LM head and the argmax, with grid-wide barriers between
+the phases instead of kernel boundaries. Its numbers are those of the multi-kernel step
+(``linear``, ``decode_attention``), bit for bit.
+
+Kernel: ``src_cu/decode_step.cu``. Tests: ``tests/test_decode_step_gpu.py``.
+Benchmarks: ``benchmarks/decode_step.py``, ``benchmarks/e2e.py``.
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy
+
+from . import _build, _checks
+from ._build import f32, i32
+from .linear import _mma_warps
+
+_SRC = "decode_step.cu"
+THREADS = 256  # decode_step.cu's STEP_THREADS
+ATTENTION_THREADS = (128,)  # decode_attention's block width the step runs: an attention item takes that many threads
+MAX_C = 1600  # decode_step.cu's STEP_MAX_C (GPT-2 XL)
+HEAD_DIM = 64
+# decode_step.cu's LayerPtr order: one row of pointers per block of the model
+LAYER_KEYS = ("attn_w", "attn_b", "attn_u", "attn_c", "proj_w", "proj_b", "fc_w", "fc_u", "fc_c", "mlp_w", "mlp_b",
+              "ln1_w", "ln1_b")
+_LAYER_PTRS = 16
+
+_HALVES = [c for c in _build.CTYPES.values() if c != "float"]
+_build.declare(_SRC, [f"decode_step_kernel<{c}, {a}>" for c in _HALVES for a in ATTENTION_THREADS], cooperative=True)
+
+
+def _name(dtype, attention_threads: int) -> str:
+    return f"decode_step_kernel<{_build.ctype(dtype)}, {attention_threads}>"
+
+
+def unsupported(dtype, C: int, H: int, splits: int, attention_threads: int) -> str | None:
+    """Why the fused step cannot run a model of these sizes here (None: it can)."""
+    if numpy.dtype(dtype).itemsize != 2:
+        return f"the fused decode step takes float16 / bfloat16 models, not {numpy.dtype(dtype)}"
+    if H * HEAD_DIM != C or C > MAX_C:
+        return f"the fused decode step takes heads of {HEAD_DIM} and widths up to {MAX_C}, not {H} heads of {C}"
+    if splits < 2:
+        return "the fused decode step merges two or more attention splits"
+    if attention_threads not in ATTENTION_THREADS:
+        return f"the fused decode step runs attention in blocks of {ATTENTION_THREADS} threads, not {attention_threads}"
+    if not _build.cooperative_supported():
+        return "this GPU or process cannot make cooperative launches (cuda.bindings missing?)"
+    return None
+
+
+def decode_step(tokens, positions, seq_lens, x, qkv, f, stats, k_cache, v_cache, layers: list[dict], wte, wpe,
+                lm_head, head_u, head_c, *, eps: float, splits: int, attention_threads: int) -> None:
+    """One decode step of one sequence, in place: x [1, C] <- embedding of tokens[0] at
+    positions[0], the blocks (keys and values into k_cache / v_cache [L, 1, H, S_max, 64] at
+    positions[0], seq_lens[0] <- positions[0] + 1), then tokens[0] <- argmax of the logits and
+    positions[0] += 1. qkv [1, 3C], f [1, 4C] and stats float32 [1, C / 16, 2] are work space.
+
+    ``layers``: per block, the arrays of LAYER_KEYS, with the LayerNorms folded into the
+    products as the model folds them (``fold_layernorm``): attn_u / attn_c, fc_u / fc_c and
+    head_u / head_c float32; ln1_w / ln1_b the first block's LayerNorm (run before its
+    q|k|v product). ``splits``: chunks of each cache in attention (as decode_attention's
+    num_splits) and ``attention_threads`` (its threads per block, 128 or 512): the step's
+    attention then has decode_attention's bits. Launched on the current stream; records into a plan."""
+    x = _checks.float_array(x, "x", ndim=2)
+    if x.dtype.itemsize != 2:
+        raise TypeError(f"x must be float16 or bfloat16, got {x.dtype}")
+    if x.shape[0] != 1:
+        raise ValueError(f"the fused decode step runs one sequence, got x of shape {x.shape}")
+    C = x.shape[1]
+    L, B_cache, H, S_max, D = k_cache.shape
+    if D != HEAD_DIM or H * D != C or C > MAX_C:
+        raise ValueError(f"k_cache {k_cache.shape} does not match x {x.shape} (heads of {HEAD_DIM}, C <= {MAX_C})")
+    if B_cache != 1 or v_cache.shape != k_cache.shape or k_cache.dtype != x.dtype or v_cache.dtype != x.dtype:
+        raise ValueError(f"k_cache / v_cache must be [L, 1, H, S_max, 64] of {x.dtype}")
+    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if len(layers) != L:
+        raise ValueError(f"{len(layers)} layers for a cache of {L}")
+    if attention_threads not in ATTENTION_THREADS:
+        raise ValueError(f"attention_threads must be one of {ATTENTION_THREADS}, got {attention_threads!r}")
+    if not 2 <= splits <= S_max:
+        raise ValueError(f"splits must be in [2, {S_max}], got {splits}")
+    for name, a, shape, dtype in (("tokens", tokens, (1,), numpy.int32), ("positions", positions, (1,), numpy.int32),
+                                  ("seq_lens", seq_lens, (1,), numpy.int32), ("qkv", qkv, (1, 3 * C), x.dtype),
+                                  ("f", f, (1, 4 * C), x.dtype), ("stats", stats, (1, C // 16, 2), numpy.float32),
+                                  ("wte", wte, (wte.shape[0], C), x.dtype), ("wpe", wpe, (wpe.shape[0], C), x.dtype),
+                                  ("lm_head", lm_head, (lm_head.shape[0], C), x.dtype),
+                                  ("head_u", head_u, (lm_head.shape[0],), numpy.float32),
+                                  ("head_c", head_c, (lm_head.shape[0],), numpy.float32)):
+        if not isinstance(a, cupy.ndarray) or a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be a contiguous {numpy.dtype(dtype)} array of shape {shape}")
+    shapes = {"attn_w": (3 * C, C), "attn_b": (3 * C,), "attn_u": (3 * C,), "attn_c": (3 * C,), "proj_w": (C, C),
+              "proj_b": (C,), "fc_w": (4 * C, C), "fc_u": (4 * C,), "fc_c": (4 * C,), "mlp_w": (C, 4 * C),
+              "mlp_b": (C,), "ln1_w": (C,), "ln1_b": (C,)}
+    table = numpy.zeros((L, _LAYER_PTRS), dtype=numpy.uint64)
+    for i, layer in enumerate(layers):
+        for j, key in enumerate(LAYER_KEYS):
+            a = layer[key]
+            dtype = numpy.float32 if key.endswith(("_u", "_c")) else x.dtype
+            if not isinstance(a, cupy.ndarray) or a.shape != shapes[key] or a.dtype != dtype or not a.flags.c_contiguous:
+                raise ValueError(f"layer {i} {key} must be a contiguous {numpy.dtype(dtype)} array of shape "
+                                 f"{shapes[key]}")
+            table[i, j] = a.data.ptr
+    grid = _build.sm_count(cupy.cuda.Device().id)
+    kern = _build.kernel(_SRC, _name(x.dtype, attention_threads))
+    part_o = cupy.empty(splits * H * D, dtype=numpy.float32)
+    part_lse = cupy.empty(splits * H, dtype=numpy.float32)
+    best_val = cupy.empty(grid, dtype=numpy.float32)
+    best_idx = cupy.empty(grid, dtype=numpy.int32)
+    sync = cupy.zeros(2, dtype=numpy.uint32)  # the kernel leaves it zero
+    kern((grid,), (THREADS,),
+         (tokens, positions, seq_lens, x, qkv, f, stats, part_o, part_lse, best_val, best_idx, sync, k_cache, v_cache,
+          cupy.asarray(table), wte, wpe, lm_head, head_u, head_c, i32(L), i32(C), i32(H), i32(S_max),
+          i32(lm_head.shape[0]), i32(splits), i32(_mma_warps(C)), i32(_mma_warps(4 * C)), f32(eps),
+          f32(1.0 / numpy.sqrt(D))))

@@ -1,0 +1,352 @@
+// decode_attention.cuh - the body of decoding attention for one (query-head group, sequence,
+// split) and the merge of split results, shared by decode_attention.cu's kernels and the
+// fused decode step (decode_step.cu), so that both compute the same bits. decode_attention.cu's
+// header describes the algorithm and the measurements behind its choices.
+#pragma once
+
+#include "kv.cuh"
+
+namespace g2c {
+
+constexpr int MERGE_LOADS = 16;  // splits' partial results in flight per thread while merging
+
+// Load n = VEC elements of the query starting at p (VEC a multiple of T's 16-byte vector),
+// through L2 (__ldcg): decode_step.cu rewrites q in every layer of one launch, and L1 is not
+// coherent with other SMs' stores.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_query(const T* p, float mul, float (&out)[VEC]) {
+    constexpr int TV = Vec<T>::N;
+    static_assert(VEC % TV == 0, "a lane's query slice is whole 16-byte vectors");
+#pragma unroll
+    for (int c = 0; c < VEC; c += TV) {
+        const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p + c));
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < TV; ++i) out[c + i] = to_float(e[i]) * mul;
+    }
+}
+
+// The splits' partial results of one (sequence, head) row are combined as
+//   out[row, d] = sum_i w_i o_i[row, d],   w_i = 2^(lse_i - max lse) / sum_j 2^(lse_j - max lse)
+// by one thread per column, online over the splits (a running max, as in the kernel's
+// softmax): it requests MERGE_LOADS splits' log2-sum-exps and outputs at once, so that
+// up to MERGE_LOADS splits cost one memory latency. Loads bypass L1 (__ldcg): the partial
+// results were written by other blocks.
+template <typename T, int D>
+__device__ __forceinline__ void merge_column(T* __restrict__ out, const float* __restrict__ part_o,
+                                             const float* __restrict__ part_lse, long long row, long long rows,
+                                             int splits, int d) {
+    float m = -INFINITY, l = 0.0f, o = 0.0f;
+    for (int i = 0; i < splits; i += MERGE_LOADS) {
+        float lse[MERGE_LOADS], x[MERGE_LOADS];
+#pragma unroll
+        for (int u = 0; u < MERGE_LOADS; ++u) {
+            const bool in = i + u < splits;
+            lse[u] = in ? __ldcg(part_lse + (i + u) * rows + row) : -INFINITY;
+            x[u] = in ? __ldcg(part_o + ((i + u) * rows + row) * D + d) : 0.0f;
+        }
+        float mx = m;
+#pragma unroll
+        for (int u = 0; u < MERGE_LOADS; ++u) mx = fmaxf(mx, lse[u]);
+        if (mx == -INFINITY) continue;  // no key so far
+        const float alpha = exp2_approx(m - mx);
+        l *= alpha;
+        o *= alpha;
+#pragma unroll
+        for (int u = 0; u < MERGE_LOADS; ++u) {
+            const float w = exp2_approx(lse[u] - mx);
+            l += w;
+            o = fmaf(w, x[u], o);
+        }
+        m = mx;
+    }
+    out[row * D + d] = from_float<T>(l > 0.0f ? o / l : 0.0f);  // no key at all: zeros
+}
+
+// The key and value rows of one loop trip of a group: rows base + u GROUPS + group (u <
+// UNROLL) below `end`, as raw 16-byte vectors, with their scales; zeros beyond `end` (a
+// masked key must not bring NaN into 0 * v).
+template <typename KT, int GROUPS, int UNROLL, bool STREAMING> struct Trip {
+    KvVec<KT> k[UNROLL], v[UNROLL];
+    float k_scale[UNROLL], v_scale[UNROLL];
+
+    __device__ __forceinline__ void load(const KT* kc, const KT* vc, const float* ks, const float* vs, int D,
+                                         int group, int base, int end) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int s = base + u * GROUPS + group;
+            k_scale[u] = v_scale[u] = 1.0f;
+            if (s < end) {
+                if constexpr (STREAMING) {
+                    k[u].load_streaming(kc + static_cast<long long>(s) * D);
+                    v[u].load_streaming(vc + static_cast<long long>(s) * D);
+                } else {
+                    k[u].load(kc + static_cast<long long>(s) * D);
+                    v[u].load(vc + static_cast<long long>(s) * D);
+                }
+                if constexpr (KvFormat<KT>::QUANTIZED) {
+                    k_scale[u] = ks[s];
+                    v_scale[u] = vs[s];
+                }
+            } else {
+                k[u].zero();
+                v[u].zero();
+            }
+        }
+    }
+
+    // Zero the rows at or past `end` of a trip loaded from row 0 before `end` was known.
+    __device__ __forceinline__ void mask(int group, int end) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (u * GROUPS + group >= end) {
+                k_scale[u] = v_scale[u] = 1.0f;
+                k[u].zero();
+                v[u].zero();
+            }
+        }
+    }
+};
+
+// One block of THREADS threads: query heads h0 .. h0 + QPB of KV-head group `bx`, sequence b,
+// chunk `split` of `splits`. With one split it writes out[b, h, :]; otherwise the chunk's
+// normalized output and log2-sum-exp into part_o [splits, batch, H, D] / part_lse. The caller
+// syncs the block before it calls this again (shared memory is reused).
+// PARTS > 1: a block of PARTS x THREADS threads runs PARTS items at once; thread tid of part
+// `part` (tid = threadIdx.x % THREADS), each part with shared arrays and a named barrier of its
+// own. The arithmetic is the same for every PARTS.
+template <typename T, typename KT, int D, int QPB, int THREADS, int PARTS = 1>
+__device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse,
+                                       const T* __restrict__ q, const KT* __restrict__ k_cache,
+                                       const KT* __restrict__ v_cache, const float* __restrict__ k_scale,
+                                       const float* __restrict__ v_scale, const int* __restrict__ seq_lens,
+                                       const float* __restrict__ alibi, int H, int H_kv, int S_max, long long q_sb,
+                                       float scale, int bx, int b, int split, int splits, int batch,
+                                       int tid = threadIdx.x, int part = 0) {
+    using Fmt = KvFormat<KT>;
+    constexpr int VEC = KvVec<KT>::N;
+    constexpr int G = D / VEC;  // lanes per key row
+    static_assert(G <= 32 && 32 % G == 0, "a key row must fit in one warp");
+    constexpr int GROUPS = THREADS / G, WARPS = THREADS / 32;
+    // Rows in flight per group: UNROLL key and value rows per loop trip, and with PIPELINE
+    // the next trip's rows requested before this trip's are used (two sets of row
+    // registers). Pipelining one query head per block of 128 threads with 16-bit or float32
+    // rows, measured on an H100 (fp16, cold L2), cut 32 heads x hd128 at B=1 from 8.91 to
+    // 7.79 us at S=128 (one split) and from 878.7 to 584.3 us at S=32768 with one split, and
+    // GPT-2 at S=256 from 8.19 to 7.39 us. With grouped heads (QPB > 1: 2 QPB VEC registers
+    // of query and output per thread) and 1-byte rows it raised registers to 140-205 and was
+    // not faster (32 / 8 heads, S=4096: 18.2 us without, 20.2 with, each at its best split).
+    // Blocks of 512 threads already have four times the rows in flight, and were as fast or
+    // faster without it (32 x hd128, fp16: B=1 S=128 6.88 -> 6.72 us, S=256 8.03 / 8.05,
+    // B=32 S=4096 703.3 -> 696.5, B=128 S=4096 2751.6 -> 2737.4; GPT-2 B=1 S=256 6.30 ->
+    // 6.22, S=512 7.26 / 7.36 cold and 4.13 -> 3.96 in a replayed graph). float32 rows
+    // keep it (their speed is not measured): without it ptxas spilled 12 bytes for sm_80
+    // with 2 heads per block.
+    constexpr bool PIPELINE = QPB * VEC <= 8 && (THREADS == 128 || sizeof(KT) == 4);
+    constexpr int UNROLL = 4;
+    // Grouped heads read rows with the evict-first hint (ld.global.cs): measured on an H100
+    // (fp16, 32 / 8 heads x hd128, 4 per block of 512 threads, cold L2) it cut B=1 S=32768
+    // from 63.8 to 60.5 us, B=4 S=4096 from 39.6 to 35.3 and B=8 S=4096 from 63.6 to 60.3;
+    // with one query head per block it cost 32 x hd128 B=8 S=4096 4% (186.8 -> 195.2 us)
+    // and B=1 S=32768 (16 splits) 4% (191.2 -> 198.7). float32 rows keep plain loads: with
+    // the hint ptxas spilled 8 bytes for sm_80-89 at hd128 (their speed is not measured).
+    constexpr bool STREAMING = QPB > 1 && sizeof(KT) < 4;
+    using Rows = Trip<KT, GROUPS, UNROLL, STREAMING>;
+    constexpr int TILE = GROUPS * UNROLL;  // keys per loop trip; split chunks are multiples
+    __shared__ float s_m_all[PARTS][QPB][WARPS], s_l_all[PARTS][QPB][WARPS];
+    __shared__ float s_o_all[PARTS][QPB][WARPS][D];
+    auto& s_m = s_m_all[part];
+    auto& s_l = s_l_all[part];
+    auto& s_o = s_o_all[part];
+
+    const int heads_per_kv = H / H_kv, head_groups = heads_per_kv / QPB;
+    const int g = bx / head_groups;                          // KV head
+    const int h0 = g * heads_per_kv + (bx % head_groups) * QPB;  // first query head
+    const int group = tid / G, sub = tid % G;
+    const long long row0 = (static_cast<long long>(b) * H_kv + g) * S_max;  // cache row of position 0
+    const KT* kc = k_cache + row0 * D + sub * VEC;
+    const KT* vc = v_cache + row0 * D + sub * VEC;
+
+    const float* ks = Fmt::QUANTIZED ? k_scale + row0 : nullptr;
+    const float* vs = Fmt::QUANTIZED ? v_scale + row0 : nullptr;
+    // The first chunk starts at row 0 whatever the length: its first trip's rows (inside
+    // the cache's S_max rows) are requested before the length arrives, which takes one
+    // memory latency off a short cache's critical path. Rows past the length are zeroed
+    // once it is known. The load is predicated, not branched over (other splits request no
+    // rows here): behind a branch the compiler hoisted the length's load and its use above
+    // it, so the rows were requested only once the length had arrived. Measured on an H100
+    // (fp16, cold L2) together with exp2_approx for exp2f: GPT-2 B=1 S=128 6.02 -> 5.70 us,
+    // S=512 7.62 -> 7.20, 32 x hd128 S=128 6.98 -> 6.65; in a replayed graph GPT-2 S=128
+    // 2.93 -> 2.75, S=256 3.28 -> 3.09.
+    Rows cur, next;
+    const bool early = split == 0;
+    cur.load(kc, vc, ks, vs, D, group, 0, early ? min(TILE, S_max) : 0);
+
+    const int len = seq_lens[b];  // (written once a step, before any block of the step reads it)
+    const int chunk = (len + splits * TILE - 1) / (splits * TILE) * TILE;
+    const int s_begin = split * chunk, s_end = min(len, s_begin + chunk);
+
+    float qv[QPB][VEC], slope[QPB], m[QPB], l[QPB], acc[QPB][VEC];
+#pragma unroll
+    for (int j = 0; j < QPB; ++j) {
+        load_query<T, VEC>(q + b * q_sb + (h0 + j) * D + sub * VEC, scale * LOG2E, qv[j]);
+        slope[j] = alibi != nullptr ? alibi[h0 + j] * LOG2E : 0.0f;
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[j][i] = 0.0f;
+    }
+
+    // One loop trip over the rows of t: scores, online softmax, O += P V.
+    auto use_trip = [&](const Rows& t, int base) {
+        float dot[QPB][UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float kf[VEC];
+            t.k[u].unpack(kf);
+#pragma unroll
+            for (int j = 0; j < QPB; ++j) {
+                float d = 0.0f;
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) d = fmaf(qv[j][i], kf[i], d);
+                dot[j][u] = d;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < QPB; ++j) {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+                for (int off = G / 2; off > 0; off >>= 1) dot[j][u] += __shfl_xor_sync(FULL_MASK, dot[j][u], off);
+            }
+        }
+        float p[QPB][UNROLL];
+#pragma unroll
+        for (int j = 0; j < QPB; ++j) {
+            float tile_max = -INFINITY;
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int s = base + u * GROUPS + group;
+                dot[j][u] = s < s_end ? fmaf(slope[j], static_cast<float>(s - len + 1), dot[j][u] * t.k_scale[u]) : -INFINITY;
+                tile_max = fmaxf(tile_max, dot[j][u]);
+            }
+            const float m_new = fmaxf(m[j], tile_max);
+            const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // nothing seen yet: keep exp2 finite
+            const float alpha = exp2_approx(m[j] - m_use);
+            l[j] *= alpha;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[j][i] *= alpha;
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                p[j][u] = exp2_approx(dot[j][u] - m_use);
+                l[j] += p[j][u];
+                p[j][u] *= t.v_scale[u];
+            }
+            m[j] = m_new;
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float vf[VEC];
+            t.v[u].unpack(vf);
+#pragma unroll
+            for (int j = 0; j < QPB; ++j) {
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[j][i] = fmaf(p[j][u], vf[i], acc[j][i]);
+            }
+        }
+    };
+    // The trip count is uniform across the block, so every lane reaches the shuffles.
+    // With PIPELINE, trip i + 1's rows are requested before trip i is used (two sets of
+    // row registers), so a block streams instead of waiting for memory once per trip.
+    int base = s_begin;
+    if (early) {  // the first trip's rows are here
+        cur.mask(group, s_end);
+    } else if (base < s_end) {
+        cur.load(kc, vc, ks, vs, D, group, base, s_end);
+    }
+    if constexpr (PIPELINE) {
+        while (base < s_end) {
+            if (base + TILE < s_end) next.load(kc, vc, ks, vs, D, group, base + TILE, s_end);
+            use_trip(cur, base);
+            base += TILE;
+            if (base >= s_end) break;
+            if (base + TILE < s_end) cur.load(kc, vc, ks, vs, D, group, base + TILE, s_end);
+            use_trip(next, base);
+            base += TILE;
+        }
+    } else {
+        if (base < s_end) {
+            use_trip(cur, base);
+            base += TILE;
+        }
+        for (; base < s_end; base += TILE) {
+            cur.load(kc, vc, ks, vs, D, group, base, s_end);
+            use_trip(cur, base);
+        }
+    }
+
+    // The groups of a warp combine their (m, l, acc) by xor-shuffles over the lane bits
+    // above the group's own, then the warps theirs through shared memory.
+#pragma unroll
+    for (int off = G; off < 32; off <<= 1) {
+#pragma unroll
+        for (int j = 0; j < QPB; ++j) {
+            const float m_o = __shfl_xor_sync(FULL_MASK, m[j], off), l_o = __shfl_xor_sync(FULL_MASK, l[j], off);
+            const float mx = fmaxf(m[j], m_o), m_use = mx == -INFINITY ? 0.0f : mx;
+            const float a = exp2_approx(m[j] - m_use), c = exp2_approx(m_o - m_use);
+            l[j] = l[j] * a + l_o * c;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[j][i] = acc[j][i] * a + __shfl_xor_sync(FULL_MASK, acc[j][i], off) * c;
+            m[j] = mx;
+        }
+    }
+    const int warp = tid / 32;
+    if (tid % 32 < G) {
+#pragma unroll
+        for (int j = 0; j < QPB; ++j) {
+            if (sub == 0) {
+                s_m[j][warp] = m[j];
+                s_l[j][warp] = l[j];
+            }
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) s_o[j][warp][sub * VEC + i] = acc[j][i];
+        }
+    }
+    if constexpr (PARTS == 1) {
+        __syncthreads();
+    } else {  // this part's threads only: named barrier 1 + part
+        asm volatile("bar.sync %0, %1;\n" ::"r"(1 + part), "n"(THREADS) : "memory");
+    }
+
+    for (int e = tid; e < QPB * D; e += THREADS) {
+        const int j = e / D, d = e % D;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < WARPS; ++k) mx = fmaxf(mx, s_m[j][k]);
+        float sum = 0.0f, o = 0.0f;
+        if (mx != -INFINITY) {
+#pragma unroll
+            for (int k = 0; k < WARPS; ++k) {
+                const float w = exp2_approx(s_m[j][k] - mx);
+                sum += s_l[j][k] * w;
+                o += s_o[j][k][d] * w;
+            }
+        }
+        const long long row = static_cast<long long>(b) * H + h0 + j;  // (b, h)
+        const float o_norm = sum > 0.0f ? o / sum : 0.0f;
+        if (splits == 1) {
+            out[row * D + d] = from_float<T>(o_norm);
+        } else {
+            const long long part = static_cast<long long>(split) * batch * H + row;
+            part_o[part * D + d] = o_norm;
+            if (d == 0) part_lse[part] = sum > 0.0f ? mx + __log2f(sum) : -INFINITY;
+        }
+    }
+}
+
+// Keys per loop trip of attend (split chunks are multiples of it).
+template <typename KT, int D, int THREADS> constexpr int attention_tile() {
+    return THREADS / (D / KvVec<KT>::N) * 4;
+}
+
+}  // namespace g2c

@@ -1,0 +1,116 @@
+// linear.cuh - pieces of the decode-step products that several kernels share, so that each
+// computes the same bits: the q|k|v epilogue's cache write, the argmax order, the row
+// statistics of the folded LayerNorm and the LayerNorm of one row by one warp.
+// Used by linear.cu (linear_kernel, linear_mma_kernel, ln_rows_kernel) and decode_step.cu.
+#pragma once
+
+#include "common.cuh"
+
+namespace g2c {
+
+// Output n of a fused q|k|v row [3 C] of sequence b: a key or value column goes into the
+// cache [B, H, S_max, D] at row pos (a query column: nothing).
+template <typename T>
+__device__ __forceinline__ void store_kv_column(T* __restrict__ k_cache, T* __restrict__ v_cache, T v, int n, int N,
+                                                int H, int S_max, int b, int pos) {
+    const int C = N / 3;
+    if (n < C) return;
+    const int c = n < 2 * C ? n - C : n - 2 * C;
+    const int D = C / H, h = c / D, d = c - h * D;
+    (n < 2 * C ? k_cache : v_cache)[((static_cast<long long>(b) * H + h) * S_max + pos) * D + d] = v;
+}
+
+// (value, index) a strictly larger value, or an equal one at a smaller index, replaces.
+__device__ __forceinline__ void keep_max(float& best, int& best_n, float v, int n) {
+    if (n >= 0 && (best_n < 0 || v > best || (v == best && n < best_n))) best = v, best_n = n;
+}
+
+constexpr int LN_VECS = 4;  // 16-byte vectors of a LayerNorm row a lane loads at once
+
+// Row statistics in sets: the RESIDUAL epilogue leaves, per block and row, the mean and the
+// sum of squared deviations from that mean (m2) of its 16 outputs as rounded to T. A row of
+// K values is then, with n_j = min(16, K - 16 j) values in set j and any shift c,
+//   mean = c + sum_j n_j (mean_j - c) / K,   m2 = sum_j (m2_j + n_j (mean_j - c)^2) - K (mean - c)^2
+// with c = mean_0 (the within-set parts come exact from the sets; what remains of the shift is
+// small for any LayerNorm input). row_stats combines them from shared memory with ROW_LANES
+// lanes a row, each taking sets l, l + ROW_LANES, ... in order, then a shuffle tree: a row's
+// statistics depend on its values and width alone. Arithmetic pinned (no contraction left to
+// the compiler): the same bits in every specialization.
+constexpr int ROW_LANES = 8;  // lanes combining one row's sets (a warp does 4 rows at once)
+__device__ __forceinline__ void row_stats(const float2* sets, int n_sets, int K, int sub, float& mean, float& m2) {
+    const float c = sets[0].x;
+    float s = 0.0f, q = 0.0f;
+    for (int j = sub; j < n_sets; j += ROW_LANES) {
+        const float2 v = sets[j];
+        const float n = static_cast<float>(min(16, K - 16 * j)), d = __fsub_rn(v.x, c);
+        s = __fmaf_rn(n, d, s);
+        q = __fadd_rn(q, __fmaf_rn(__fmul_rn(n, d), d, v.y));
+    }
+#pragma unroll
+    for (int off = ROW_LANES / 2; off > 0; off >>= 1) {  // xor tree: every lane of the row gets the same bits
+        s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off, ROW_LANES));
+        q = __fadd_rn(q, __shfl_xor_sync(0xffffffffu, q, off, ROW_LANES));
+    }
+    const float dm = __fdividef(s, static_cast<float>(K));
+    mean = __fadd_rn(c, dm);
+    m2 = fmaxf(__fsub_rn(q, __fmul_rn(__fmul_rn(static_cast<float>(K), dm), dm)), 0.0f);
+}
+
+// LayerNorm of one row of K values (K % 8 == 0) by one warp, into dst as T (lw, lb: the
+// parameters, in global or shared memory). The raw row is
+// staged in `stage` (shared memory; dst may be the same place: each lane rewrites only the
+// vectors it staged). Two passes, mean then variance, as layernorm.cu; lane l sums vectors
+// l, l + 32, ... in order, then a shuffle tree, and the arithmetic is pinned (no contraction
+// left to the compiler), so a row gets the same bits in every kernel that calls this.
+template <typename T>
+__device__ __forceinline__ void ln_row(T* dst, T* stage, const T* xr, const T* lw, const T* lb, float eps, int K,
+                                       int lane) {
+    const int nv = K / 8;
+    float s = 0.0f;
+    for (int i0 = 0; i0 < nv; i0 += 32 * LN_VECS) {  // loads first: every vector of the round in flight
+        uint4 v[LN_VECS];
+#pragma unroll
+        for (int j = 0; j < LN_VECS; ++j) {
+            const int i = i0 + lane + 32 * j;
+            if (i < nv) v[j] = *reinterpret_cast<const uint4*>(xr + i * 8);
+        }
+#pragma unroll
+        for (int j = 0; j < LN_VECS; ++j) {
+            const int i = i0 + lane + 32 * j;
+            if (i < nv) {
+                *reinterpret_cast<uint4*>(stage + i * 8) = v[j];
+                const T* e = reinterpret_cast<const T*>(&v[j]);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) s = __fadd_rn(s, to_float(e[k]));
+            }
+        }
+    }
+    const float mean = __fdiv_rn(warp_sum(s), static_cast<float>(K));
+    float q = 0.0f;
+    for (int i = lane; i < nv; i += 32) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(stage + i * 8);
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float d = __fsub_rn(to_float(e[k]), mean);
+            q = __fmaf_rn(d, d, q);
+        }
+    }
+    const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(warp_sum(q), static_cast<float>(K)), eps));
+    for (int i = lane; i < nv; i += 32) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(stage + i * 8);
+        const uint4 gw = *reinterpret_cast<const uint4*>(lw + i * 8);
+        const uint4 gb = *reinterpret_cast<const uint4*>(lb + i * 8);
+        const T *e = reinterpret_cast<const T*>(&raw), *w = reinterpret_cast<const T*>(&gw),
+                *b = reinterpret_cast<const T*>(&gb);
+        uint4 o;
+        T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+            oe[k] = from_float<T>(__fmaf_rn(__fmul_rn(__fsub_rn(to_float(e[k]), mean), rstd), to_float(w[k]),
+                                            to_float(b[k])));
+        *reinterpret_cast<uint4*>(dst + i * 8) = o;
+    }
+}
+
+}  // namespace g2c
