@@ -30,13 +30,12 @@
 // at once: the wrapper launches one per SM, cooperatively. A wait that spins past ~2^26 polls
 // traps (an error, not a hang).
 //
-// Measured (H100, GPT-2 small float16, the step in a CUDA graph): 392 us a step against 252 for
-// the kernel-by-kernel step with programmatic launch (889 us with blocks of 16 warps and STEP_U
-// = 8, where ptxas spilled ~800 bytes a thread in each product phase at 128 registers: the
-// spills' traffic, tens of MB a phase, dominated). Still slow: 6.4 us a phase for about 1 us of
-// barrier; ptxas holds 255 registers and spills ~160 bytes at STEP_U = 4. Not the default
-// (GPT2.fused_step); next: find where a phase's time goes (a per-phase clock trace), then the
-// weights of the next phase into L2 ahead of its barrier.
+// Measured (H100, float16, the step in a CUDA graph; benchmarks/results/fused_step-h100.json):
+// GPT-2 small 386-399 us a step against 251 for the kernel-by-kernel step with programmatic
+// launch, GPT-2 XL 2804-2860 against 1893-1910. Blocks of 16 warps with STEP_U = 8 took 889 us
+// (small): ptxas spilled ~800 bytes a thread in each product phase at 128 registers. Still
+// slow, about 6 us a phase; ptxas holds 255 registers and spills ~160 bytes at STEP_U = 4. Not
+// the default (GPT2.fused_step); next: a per-phase clock trace of where a phase's time goes.
 //
 // Bytes: every weight once (GPT-2 small float16: 248 MB) plus the cache rows; the floor is
 // that at the copy bandwidth. FLOPs are those of the products at one row: 2 x params.
