@@ -1,7 +1,7 @@
 """The fused decode step (one persistent kernel, ``GPT2.fused_step``) against the
 kernel-by-kernel step, batch 1, float16, each replayed as a CUDA graph.
 
-    python -m benchmarks.fused_step [--sizes gpt2 gpt2-xl]
+    python -m benchmarks.fused_step [--sizes gpt2 gpt2-xl] [--trace]
 
 us a step (CUDA events around 50 replays, median of 5, the cache holding 264 and 520 rows:
 garbage rows, timing only), against the floor (weight bytes / copy bandwidth of the run).
@@ -38,6 +38,63 @@ def step_us(model, fused: bool, length: int, replays: int = 50) -> tuple[float, 
     return statistics.median(times), len(s.step)
 
 
+PHASES = ("qkv", "attention", "attn_proj", "fc", "mlp_proj")
+_MARKS = {"qkv": 3, "attention": 2, "attn_proj": 3, "fc": 3, "mlp_proj": 3}  # decode_step.cu's Trace marks
+
+
+def timeline(model, length: int) -> list[dict]:
+    """Where the fused step's time goes, from its timeline (global timer at each block's
+    marks): per phase, the time a block waits at the barrier before it (from its own
+    arrival to the release), its prologue (merge, LayerNorm statistics, x into shared
+    memory) and its tiles, medians over blocks and layers; and the phase's span (release to
+    the next release, median over blocks), us."""
+    from cupy_kernels.decode_attention import launch_config
+    from cupy_kernels.decode_step import trace_marks
+    from gpt2_cupy.engine import Session
+    from gpt2_cupy.model import DECODE_SPLITS
+
+    cfg = model.config
+    model.fused_step = True
+    s = Session(model, 1, 1024, None, None, cuda_graph=True)
+    alone = launch_config(model.dtype, s.cache.k.dtype, 1, cfg.n_head, cfg.n_head, cfg.head_dim, cfg.n_positions)
+    trace = cp.zeros((torch.cuda.get_device_properties(0).multi_processor_count, trace_marks(cfg.n_layer)),
+                     dtype=cp.uint64)
+    for _ in range(3):
+        s.cache.positions.set(np.array([length], np.int32))
+        with s.stream:
+            model.fused_step_launch(s.cache, s.buf, min(alone.splits, DECODE_SPLITS), alone.threads, trace=trace)
+        s.stream.synchronize()
+    t = trace.get().astype(np.int64) / 1e3  # us
+    t -= t.min()
+    per = {name: {"wait_us": [], "prologue_us": [], "tiles_us": [], "span_us": []} for name in PHASES + ("lm_head",)}
+    i, prev_done = 1, t[:, 0]
+    releases = []
+    for _ in range(cfg.n_layer):
+        for name in PHASES:
+            rel, done = t[:, i], t[:, i + _MARKS[name] - 1]
+            per[name]["wait_us"].append(np.median(rel - prev_done))
+            if _MARKS[name] == 3:
+                per[name]["prologue_us"].append(np.median(t[:, i + 1] - rel))
+            per[name]["tiles_us"].append(np.median(done - t[:, i + _MARKS[name] - 2]))
+            releases.append((name, np.median(rel)))
+            prev_done, i = done, i + _MARKS[name]
+    rel, done = t[:, i], t[:, i + 2]
+    per["lm_head"]["wait_us"].append(np.median(rel - prev_done))
+    per["lm_head"]["prologue_us"].append(np.median(t[:, i + 1] - rel))
+    per["lm_head"]["tiles_us"].append(np.median(done - t[:, i + 1]))
+    releases.append(("lm_head", np.median(rel)))
+    releases.append(("end", np.median(t[:, i + 3])))
+    for (name, r0), (_, r1) in zip(releases, releases[1:]):
+        per[name]["span_us"].append(r1 - r0)
+    rows = []
+    for name, d in per.items():
+        rows.append({"phase": name, "count": len(d["span_us"]),
+                     **{k: round(float(np.mean(v)), 2) for k, v in d.items() if v}})
+    rows.append({"phase": "step", "span_us": round(float(releases[-1][1] - np.median(t[:, 0])), 2)})
+    model._engine = None
+    return rows
+
+
 def main():
     import transformers
 
@@ -45,6 +102,7 @@ def main():
 
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", nargs="+", default=["gpt2", "gpt2-xl"])
+    p.add_argument("--trace", action="store_true", help="also the fused step's timeline per phase")
     args = p.parse_args()
     print(banner(), flush=True)
     ceiling = copy_ceiling_GBps()
@@ -65,6 +123,11 @@ def main():
                              "pct_floor": round(100 * floor / us, 1)})
                 print(rows[-1], flush=True)
             model._engine = None
+        if args.trace:
+            for r in timeline(model, 264):
+                rows.append({"bench": "fused_step_timeline", "model": size, "dtype": "float16", "batch": 1,
+                             "cache_rows": 264, **r})
+                print(rows[-1], flush=True)
         del model
         cp.get_default_memory_pool().free_all_blocks()
     print(write_results("fused_step", rows, {"copy_GBps": round(ceiling, 1)}))

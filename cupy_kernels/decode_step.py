@@ -17,7 +17,11 @@ from ._build import f32, i32
 from .linear import _mma_warps
 
 _SRC = "decode_step.cu"
-THREADS = 256  # decode_step.cu's STEP_THREADS
+THREADS = 288  # decode_step.cu's BLOCK_THREADS: 8 consumer warps and the producer warp
+STAGE_BYTES = 34816  # decode_step.cu's STAGE_BYTES: one slot of the weight ring
+MAX_STAGES = 8  # decode_step.cu's MAX_STAGES
+MIN_STAGES = 2
+TRACE_MARKS_PER_LAYER = 14  # decode_step.cu's Trace marks: q|k|v 3, attention 2, projection 3, MLP up 3, down 3
 ATTENTION_THREADS = (128,)  # decode_attention's block width the step runs: an attention item takes that many threads
 MAX_C = 1600  # decode_step.cu's STEP_MAX_C (GPT-2 XL)
 HEAD_DIM = 64
@@ -30,8 +34,22 @@ _HALVES = [c for c in _build.CTYPES.values() if c != "float"]
 _build.declare(_SRC, [f"decode_step_kernel<{c}, {a}>" for c in _HALVES for a in ATTENTION_THREADS], cooperative=True)
 
 
+def trace_marks(n_layer: int) -> int:
+    """Marks of the step's timeline (``trace=``) for a model of ``n_layer`` blocks: one at the
+    start, TRACE_MARKS_PER_LAYER a block, three for the LM head, one at the end."""
+    return 1 + TRACE_MARKS_PER_LAYER * n_layer + 3 + 1
+
+
 def _name(dtype, attention_threads: int) -> str:
     return f"decode_step_kernel<{_build.ctype(dtype)}, {attention_threads}>"
+
+
+def ring_stages(kern=None) -> int:
+    """Slots of the weight ring the step's block holds in this GPU's shared memory (at most
+    MAX_STAGES): the opt-in limit of a block less the kernel's static shared memory."""
+    kern = kern or _build.kernel(_SRC, _name(numpy.float16, ATTENTION_THREADS[0]))
+    static = getattr(kern, "raw", kern).shared_size_bytes
+    return min(MAX_STAGES, (_build.smem_optin() - static) // STAGE_BYTES)
 
 
 def unsupported(dtype, C: int, H: int, splits: int, attention_threads: int) -> str | None:
@@ -46,11 +64,13 @@ def unsupported(dtype, C: int, H: int, splits: int, attention_threads: int) -> s
         return f"the fused decode step runs attention in blocks of {ATTENTION_THREADS} threads, not {attention_threads}"
     if not _build.cooperative_supported():
         return "this GPU or process cannot make cooperative launches (cuda.bindings missing?)"
+    if ring_stages() < MIN_STAGES:
+        return f"this GPU's shared memory holds fewer than {MIN_STAGES} slots of the fused step's weight ring"
     return None
 
 
 def decode_step(tokens, positions, seq_lens, x, qkv, f, stats, k_cache, v_cache, layers: list[dict], wte, wpe,
-                lm_head, head_u, head_c, *, eps: float, splits: int, attention_threads: int) -> None:
+                lm_head, head_u, head_c, *, eps: float, splits: int, attention_threads: int, trace=None) -> None:
     """One decode step of one sequence, in place: x [1, C] <- embedding of tokens[0] at
     positions[0], the blocks (keys and values into k_cache / v_cache [L, 1, H, S_max, 64] at
     positions[0], seq_lens[0] <- positions[0] + 1), then tokens[0] <- argmax of the logits and
@@ -61,7 +81,10 @@ def decode_step(tokens, positions, seq_lens, x, qkv, f, stats, k_cache, v_cache,
     head_u / head_c float32; ln1_w / ln1_b the first block's LayerNorm (run before its
     q|k|v product). ``splits``: chunks of each cache in attention (as decode_attention's
     num_splits) and ``attention_threads`` (its threads per block, 128 or 512): the step's
-    attention then has decode_attention's bits. Launched on the current stream; records into a plan."""
+    attention then has decode_attention's bits. Launched on the current stream; records into a plan.
+
+    ``trace``: None, or a uint64 array [SMs, trace_marks(L)] that receives each block's global
+    timer (ns) at the marks of its timeline (decode_step.cu's Trace)."""
     x = _checks.float_array(x, "x", ndim=2)
     if x.dtype.itemsize != 2:
         raise TypeError(f"x must be float16 or bfloat16, got {x.dtype}")
@@ -103,14 +126,24 @@ def decode_step(tokens, positions, seq_lens, x, qkv, f, stats, k_cache, v_cache,
                                  f"{shapes[key]}")
             table[i, j] = a.data.ptr
     grid = _build.sm_count(cupy.cuda.Device().id)
+    marks = trace_marks(L)
+    if trace is not None and (not isinstance(trace, cupy.ndarray) or trace.dtype != numpy.uint64
+                              or trace.shape != (grid, marks) or not trace.flags.c_contiguous):
+        raise ValueError(f"trace must be a contiguous uint64 array of shape {(grid, marks)}")
     kern = _build.kernel(_SRC, _name(x.dtype, attention_threads))
+    stages = ring_stages(kern)
+    if stages < MIN_STAGES:
+        raise RuntimeError(f"the fused decode step needs {MIN_STAGES} weight-ring slots of {STAGE_BYTES} bytes of "
+                           f"shared memory; this GPU has room for {stages}")
+    _build.set_smem(kern, stages * STAGE_BYTES)
     part_o = cupy.empty(splits * H * D, dtype=numpy.float32)
     part_lse = cupy.empty(splits * H, dtype=numpy.float32)
     best_val = cupy.empty(grid, dtype=numpy.float32)
     best_idx = cupy.empty(grid, dtype=numpy.int32)
-    sync = cupy.zeros(2, dtype=numpy.uint32)  # the kernel leaves it zero
+    # the barrier, blocks done, then per head splits done and q|k|v tiles done; the kernel leaves it zero
+    sync = cupy.zeros(2 + 2 * H, dtype=numpy.uint32)
     kern((grid,), (THREADS,),
          (tokens, positions, seq_lens, x, qkv, f, stats, part_o, part_lse, best_val, best_idx, sync, k_cache, v_cache,
           cupy.asarray(table), wte, wpe, lm_head, head_u, head_c, i32(L), i32(C), i32(H), i32(S_max),
-          i32(lm_head.shape[0]), i32(splits), i32(_mma_warps(C)), i32(_mma_warps(4 * C)), f32(eps),
-          f32(1.0 / numpy.sqrt(D))))
+          i32(lm_head.shape[0]), i32(splits), i32(_mma_warps(C)), i32(_mma_warps(4 * C)), i32(stages), f32(eps),
+          f32(1.0 / numpy.sqrt(D)), 0 if trace is None else trace, i32(marks)), shared_mem=stages * STAGE_BYTES)

@@ -452,17 +452,22 @@ class GPT2:
     def _record_fused_step(self, cache: KVCache, buf, splits: int, attention_threads: int) -> _build.Plan:
         """The decode step of one greedy sequence as one persistent kernel (cupy_kernels.decode_step):
         the same numbers as the launches of record_step, with barriers for kernel boundaries."""
+        with _build.recording() as plan:
+            self.fused_step_launch(cache, buf, splits, attention_threads)
+        return plan
+
+    def fused_step_launch(self, cache: KVCache, buf, splits: int, attention_threads: int, trace=None) -> None:
+        """Launch (or record) the fused decode step on ``cache`` and ``buf`` (one sequence);
+        ``trace``: its timeline buffer (cupy_kernels.decode_step)."""
         first = self.blocks[0]
         layers = [{"attn_w": b.attn_w, "attn_b": b.attn_b, "attn_u": b.attn_u, "attn_c": b.attn_c,
                    "proj_w": b.attn_proj_w, "proj_b": b.attn_proj_b, "fc_w": b.fc_w, "fc_u": b.fc_u, "fc_c": b.fc_c,
                    "mlp_w": b.mlp_proj_w, "mlp_b": b.mlp_proj_b, "ln1_w": first.ln_1_w, "ln1_b": first.ln_1_b}
                   for b in self.blocks]
-        with _build.recording() as plan:
-            K.decode_step(buf.tokens, cache.positions, cache.lengths, buf.x, buf.qkv, buf.f, buf.stats, cache.k,
-                          cache.v, layers, self.wte, self.wpe, self.lm_head, self.head_u, self.head_c,
-                          eps=self.config.layer_norm_epsilon, splits=splits,
-                          attention_threads=attention_threads)
-        return plan
+        K.decode_step(buf.tokens, cache.positions, cache.lengths, buf.x, buf.qkv, buf.f, buf.stats, cache.k, cache.v,
+                      layers, self.wte, self.wpe, self.lm_head, self.head_u, self.head_c,
+                      eps=self.config.layer_norm_epsilon, splits=splits, attention_threads=attention_threads,
+                      trace=trace)
 
     @property
     def engine(self):

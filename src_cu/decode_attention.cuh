@@ -10,16 +10,19 @@ namespace g2c {
 
 constexpr int MERGE_LOADS = 16;  // splits' partial results in flight per thread while merging
 
-// Load n = VEC elements of the query starting at p (VEC a multiple of T's 16-byte vector),
-// through L2 (__ldcg): decode_step.cu rewrites q in every layer of one launch, and L1 is not
-// coherent with other SMs' stores.
-template <typename T, int VEC>
+// Load n = VEC elements of the query starting at p (VEC a multiple of T's 16-byte vector).
+// THROUGH_L2 (__ldcg) for decode_step.cu, which rewrites q in every layer of one launch (L1
+// is not coherent with other SMs' stores). decode_attention.cu's kernels use plain loads:
+// with ld.global.cg ptxas spilled 16-24 bytes in the 512-thread, 4-head specializations
+// for sm_86-90 (128 registers), and none with plain loads.
+template <typename T, int VEC, bool THROUGH_L2>
 __device__ __forceinline__ void load_query(const T* p, float mul, float (&out)[VEC]) {
     constexpr int TV = Vec<T>::N;
     static_assert(VEC % TV == 0, "a lane's query slice is whole 16-byte vectors");
 #pragma unroll
     for (int c = 0; c < VEC; c += TV) {
-        const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p + c));
+        const uint4* v = reinterpret_cast<const uint4*>(p + c);
+        const uint4 raw = THROUGH_L2 ? __ldcg(v) : *v;
         const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
         for (int i = 0; i < TV; ++i) out[c + i] = to_float(e[i]) * mul;
@@ -114,8 +117,8 @@ template <typename KT, int GROUPS, int UNROLL, bool STREAMING> struct Trip {
 // syncs the block before it calls this again (shared memory is reused).
 // PARTS > 1: a block of PARTS x THREADS threads runs PARTS items at once; thread tid of part
 // `part` (tid = threadIdx.x % THREADS), each part with shared arrays and a named barrier of its
-// own. The arithmetic is the same for every PARTS.
-template <typename T, typename KT, int D, int QPB, int THREADS, int PARTS = 1>
+// own. The arithmetic is the same for every PARTS. Q_THROUGH_L2: see load_query.
+template <typename T, typename KT, int D, int QPB, int THREADS, int PARTS = 1, bool Q_THROUGH_L2 = false>
 __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse,
                                        const T* __restrict__ q, const KT* __restrict__ k_cache,
                                        const KT* __restrict__ v_cache, const float* __restrict__ k_scale,
@@ -189,7 +192,7 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
     float qv[QPB][VEC], slope[QPB], m[QPB], l[QPB], acc[QPB][VEC];
 #pragma unroll
     for (int j = 0; j < QPB; ++j) {
-        load_query<T, VEC>(q + b * q_sb + (h0 + j) * D + sub * VEC, scale * LOG2E, qv[j]);
+        load_query<T, VEC, Q_THROUGH_L2>(q + b * q_sb + (h0 + j) * D + sub * VEC, scale * LOG2E, qv[j]);
         slope[j] = alibi != nullptr ? alibi[h0 + j] * LOG2E : 0.0f;
         m[j] = -INFINITY;
         l[j] = 0.0f;
@@ -314,8 +317,8 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
     }
     if constexpr (PARTS == 1) {
         __syncthreads();
-    } else {  // this part's threads only: named barrier 1 + part
-        asm volatile("bar.sync %0, %1;\n" ::"r"(1 + part), "n"(THREADS) : "memory");
+    } else {  // this part's threads only: named barrier 1 + part (barrier.sync: warps may arrive diverged)
+        asm volatile("barrier.sync %0, %1;\n" ::"r"(1 + part), "n"(THREADS) : "memory");
     }
 
     for (int e = tid; e < QPB * D; e += THREADS) {

@@ -1,5 +1,5 @@
 // mma.cuh - tensor-core building blocks for sm_80 and newer: warp-wide mma.sync (16-bit, and
-// tf32 with the 3xTF32 split at the end), ldmatrix, cp.async, and the XOR swizzle that keeps
+// tf32 with the 3xTF32 split at the end), ldmatrix, cp.async, mbarriers, and the XOR swizzle that keeps
 // ldmatrix on row-major tiles free of bank conflicts.
 //
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type").
@@ -98,6 +98,55 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+
+// ---------------------------------------------------------------------------------------
+// mbarrier (sm_80 and newer): a shared-memory barrier that completes a phase when its count
+// of arrivals is reached, then counts again; a waiter names the parity of the phase it waits
+// for (a fresh barrier is in phase 0, and phase "-1", parity 1, counts as completed).
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+    asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared.b64 state, [%0];\n}\n" ::"r"(smem_addr(bar))
+                 : "memory");
+}
+
+// One arrival once every cp.async this thread issued before has landed (counted in the
+// barrier's arrivals: .noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Whether the phase of parity `parity` has completed.
+__device__ __forceinline__ bool mbar_done(unsigned long long* bar, unsigned parity) {
+    unsigned done;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// sm_90: one arrival that also expects `bytes` of bulk copies (cp_bulk) before the phase completes.
+__device__ __forceinline__ void mbar_arrive_expect(unsigned long long* bar, unsigned bytes) {
+    asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.expect_tx.shared.b64 state, [%0], %1;\n}\n" ::"r"(
+                     smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+// sm_90: `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared
+// memory by the copy engine, counted on `bar` as they land.
+__device__ __forceinline__ void cp_bulk(unsigned dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+#endif
 
 // ---------------------------------------------------------------------------------------
 // XOR swizzle of a row-major shared tile whose rows are CHUNKS 16-byte chunks (8 or 16).

@@ -120,4 +120,34 @@ def test_fused_step_rejects_bad_shapes():
     with pytest.raises(ValueError, match="fc_u"):
         K.decode_step(*args, one.x, one.qkv, one.f, one.stats, c1.k, c1.v, [bad], model.wte, model.wpe,
                       model.lm_head, model.head_u, model.head_c, eps=1e-5, splits=3, attention_threads=128)
+    with pytest.raises(ValueError, match="trace"):
+        K.decode_step(*args, one.x, one.qkv, one.f, one.stats, c1.k, c1.v, [layer], model.wte, model.wpe,
+                      model.lm_head, model.head_u, model.head_c, eps=1e-5, splits=3, attention_threads=128,
+                      trace=cp.zeros((1, 3), dtype=cp.uint64))
     assert model.generate([1, 2, 3], 3)  # still usable
+
+
+def test_fused_step_timeline():
+    """With a trace buffer the step writes every block's marks, in time order, and the same
+    token as without one."""
+    from cupy_kernels.decode_step import trace_marks
+    from cupy_kernels.decode_attention import launch_config
+
+    model = random_model("float16", n_layer=2)
+    cfg = model.config
+    alone = launch_config(model.dtype, model.dtype, 1, cfg.n_head, cfg.n_head, cfg.head_dim, cfg.n_positions)
+    splits = min(alone.splits, 3)
+    tokens = []
+    for traced in (False, True):
+        buf = DecodeBuffers(cfg, 1, model.dtype)
+        cache = KVCache(cfg, 1, 64, model.dtype)
+        model._prefill([np.arange(7)], cache, [0], buf.x)
+        cache.positions.set(np.array([7], np.int32))
+        buf.tokens.set(np.array([11], np.int32))
+        trace = cp.zeros((cp.cuda.Device().attributes["MultiProcessorCount"], trace_marks(cfg.n_layer)), cp.uint64)
+        model.fused_step_launch(cache, buf, splits, alone.threads, trace=trace if traced else None)
+        tokens.append(int(buf.tokens.get()[0]))
+        t = trace.get()
+    assert tokens[0] == tokens[1]
+    assert (t > 0).all()
+    assert (np.diff(t.astype(np.int64), axis=1) >= 0).all()
