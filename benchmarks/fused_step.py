@@ -45,24 +45,20 @@ _MARKS = {"qkv": 3, "attention": 2, "attn_proj": 3, "fc": 3, "mlp_proj": 3}  # d
 def timeline(model, length: int) -> list[dict]:
     """Where the fused step's time goes, from its timeline (global timer at each block's
     marks): per phase, the time a block waits at the barrier before it (from its own
-    arrival to the release), its prologue (merge, LayerNorm statistics, x into shared
+    arrival to the release), its prologue (LayerNorm statistics and x into shared
     memory) and its tiles, medians over blocks and layers; and the phase's span (release to
     the next release, median over blocks), us."""
-    from cupy_kernels.decode_attention import launch_config
     from cupy_kernels.decode_step import trace_marks
     from gpt2_cupy.engine import Session
-    from gpt2_cupy.model import DECODE_SPLITS
 
     cfg = model.config
     model.fused_step = True
     s = Session(model, 1, 1024, None, None, cuda_graph=True)
-    alone = launch_config(model.dtype, s.cache.k.dtype, 1, cfg.n_head, cfg.n_head, cfg.head_dim, cfg.n_positions)
-    trace = cp.zeros((torch.cuda.get_device_properties(0).multi_processor_count, trace_marks(cfg.n_layer)),
-                     dtype=cp.uint64)
+    trace = cp.zeros((cp.cuda.Device().attributes["MultiProcessorCount"], trace_marks(cfg.n_layer)), dtype=cp.uint64)
     for _ in range(3):
         s.cache.positions.set(np.array([length], np.int32))
         with s.stream:
-            model.fused_step_launch(s.cache, s.buf, min(alone.splits, DECODE_SPLITS), alone.threads, trace=trace)
+            model.fused_step_launch(s.cache, s.buf, trace=trace)
         s.stream.synchronize()
     t = trace.get().astype(np.int64) / 1e3  # us
     t -= t.min()

@@ -414,17 +414,16 @@ class GPT2:
         # us, 257 / 312 / 764 / 2458 with the last-block merge; merged instead by every block
         # of the attention projection in its prologue, a thread per column in turn: 362 / 788
         # us at B = 1 / 8, against 255 / 296)
-        alone = launch_config(self.dtype, cache.k.dtype, 1, H, H, D, cfg.n_positions)
-        splits = min(alone.splits, DECODE_SPLITS)
+        splits, threads = self._decode_attention_shape(cache)
         stats = buf.stats if self.folded else None  # [B, C / 16, 2]: of the residual stream buf.x
 
         def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm
             return dict(ln_fold=(stats, u, c, eps)) if folded else dict(bias=b, ln=ln)
 
         if self.fused_step and B == 1 and sampling is None and cache.k_scale is None and self.folded:
-            why = K.decode_step_unsupported(self.dtype, C, H, splits, alone.threads)
+            why = K.decode_step_unsupported(self.dtype, C, H, splits, threads)
             if why is None:
-                return self._record_fused_step(cache, buf, splits, alone.threads)
+                return self._record_fused_step(cache, buf)
         with _build.recording() as plan:
             K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x)
             for i, blk in enumerate(self.blocks):
@@ -439,7 +438,7 @@ class GPT2:
                     K.kv_append(k=qkv[:, :, 1], v=qkv[:, :, 2], start=cache.positions, seq_lens=cache.lengths,
                                 **cache.layer(i))
                 K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, num_splits=splits,
-                                   threads=alone.threads, merge="kernel", out=buf.att, **cache.layer(i))
+                                   threads=threads, merge="kernel", out=buf.att, **cache.layer(i))
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x,
                          stats_out=stats)
                 K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f,
@@ -449,16 +448,23 @@ class GPT2:
             K.kv_advance(cache.positions)
         return plan
 
-    def _record_fused_step(self, cache: KVCache, buf, splits: int, attention_threads: int) -> _build.Plan:
+    def _decode_attention_shape(self, cache: KVCache) -> tuple[int, int]:
+        """(splits, threads a block) of the decode step's attention (record_step says why)."""
+        cfg = self.config
+        alone = launch_config(self.dtype, cache.k.dtype, 1, cfg.n_head, cfg.n_head, cfg.head_dim, cfg.n_positions)
+        return min(alone.splits, DECODE_SPLITS), alone.threads
+
+    def _record_fused_step(self, cache: KVCache, buf) -> _build.Plan:
         """The decode step of one greedy sequence as one persistent kernel (cupy_kernels.decode_step):
         the same numbers as the launches of record_step, with barriers for kernel boundaries."""
         with _build.recording() as plan:
-            self.fused_step_launch(cache, buf, splits, attention_threads)
+            self.fused_step_launch(cache, buf)
         return plan
 
-    def fused_step_launch(self, cache: KVCache, buf, splits: int, attention_threads: int, trace=None) -> None:
+    def fused_step_launch(self, cache: KVCache, buf, trace=None) -> None:
         """Launch (or record) the fused decode step on ``cache`` and ``buf`` (one sequence);
         ``trace``: its timeline buffer (cupy_kernels.decode_step)."""
+        splits, threads = self._decode_attention_shape(cache)
         first = self.blocks[0]
         layers = [{"attn_w": b.attn_w, "attn_b": b.attn_b, "attn_u": b.attn_u, "attn_c": b.attn_c,
                    "proj_w": b.attn_proj_w, "proj_b": b.attn_proj_b, "fc_w": b.fc_w, "fc_u": b.fc_u, "fc_c": b.fc_c,
@@ -466,8 +472,7 @@ class GPT2:
                   for b in self.blocks]
         K.decode_step(buf.tokens, cache.positions, cache.lengths, buf.x, buf.qkv, buf.f, buf.stats, cache.k, cache.v,
                       layers, self.wte, self.wpe, self.lm_head, self.head_u, self.head_c,
-                      eps=self.config.layer_norm_epsilon, splits=splits, attention_threads=attention_threads,
-                      trace=trace)
+                      eps=self.config.layer_norm_epsilon, splits=splits, attention_threads=threads, trace=trace)
 
     @property
     def engine(self):

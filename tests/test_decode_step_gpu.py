@@ -131,12 +131,9 @@ def test_fused_step_timeline():
     """With a trace buffer the step writes every block's marks, in time order, and the same
     token as without one."""
     from cupy_kernels.decode_step import trace_marks
-    from cupy_kernels.decode_attention import launch_config
 
     model = random_model("float16", n_layer=2)
     cfg = model.config
-    alone = launch_config(model.dtype, model.dtype, 1, cfg.n_head, cfg.n_head, cfg.head_dim, cfg.n_positions)
-    splits = min(alone.splits, 3)
     tokens = []
     for traced in (False, True):
         buf = DecodeBuffers(cfg, 1, model.dtype)
@@ -145,7 +142,7 @@ def test_fused_step_timeline():
         cache.positions.set(np.array([7], np.int32))
         buf.tokens.set(np.array([11], np.int32))
         trace = cp.zeros((cp.cuda.Device().attributes["MultiProcessorCount"], trace_marks(cfg.n_layer)), cp.uint64)
-        model.fused_step_launch(cache, buf, splits, alone.threads, trace=trace if traced else None)
+        model.fused_step_launch(cache, buf, trace=trace if traced else None)
         tokens.append(int(buf.tokens.get()[0]))
         t = trace.get()
     assert tokens[0] == tokens[1]
