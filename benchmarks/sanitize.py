@@ -52,6 +52,8 @@ def main():
                 for splits, threads in ((None, None), (3, None), (3, 512)):  # and wide blocks over many trips
                     K.decode_attention(r(1, 8, D, dtype=dtype), kl, vl, cp.asarray([S - 3], dtype=np.int32),
                                        num_splits=splits, threads=threads)
+            # chunks of a fixed length: one (written by its block), several (the last merges)
+            K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32), split_keys=40)
             for kv in ("int8", "fp8"):  # quantized caches, GQA (4 query heads per KV head), ALiBi, splits
                 storage = K.kv_storage_dtype(kv, dtype)
                 kq, vq = cp.empty((2, 2, T + 5, D), storage), cp.empty((2, 2, T + 5, D), storage)

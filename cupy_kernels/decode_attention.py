@@ -181,9 +181,8 @@ def _or_null(*arrays):
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=None, alibi_slopes=None,
-                     scale: float | None = None, num_splits: int | None = None, threads: int | None = None,
-                     merge: str = "last-block",
-                     out=None) -> cupy.ndarray:
+                     scale: float | None = None, num_splits: int | None = None, split_keys: int | None = None,
+                     threads: int | None = None, merge: str = "last-block", out=None) -> cupy.ndarray:
     """``softmax(q . K[:len] * scale + alibi) V[:len]`` for each sequence and query head.
 
     q: [B, H, D], contiguous over (H, D) (a row of the fused qkv buffer qualifies; the batch
@@ -196,7 +195,11 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     D in {64, 128}. num_splits: chunks per sequence, 1 to 128; threads: per block, 128 or
     512 (512 for caches in q's dtype only); both chosen from B, heads, S_max and the GPU's
     SM count by default (launch_config). Fixing them fixes the order of every sum, so a
-    sequence's output does not depend on the batch around it. merge: how split chunks are
+    sequence's output does not depend on the batch around it. split_keys (instead of
+    num_splits): chunks of this many keys, so that a sequence of len keys takes
+    ceil(len / split_keys) chunks (its numbers follow its own length, whatever the batch and
+    S_max) and a sequence of at most split_keys keys is one block that writes its output with
+    nothing to merge; the merge is then the last block's. merge: how split chunks are
     combined: 'last-block' (the last block of a head to finish merges them, one launch) or
     'kernel' (a second small kernel; inside a replayed CUDA graph, where a launch costs
     less, measured 0.4-0.5 us faster per call on an H100 for B=1, S=1024 with GPT-2's heads
@@ -233,6 +236,15 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
         raise ValueError("q rows must start on 16-byte boundaries")
     if num_splits is not None and not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
+    if split_keys is not None:
+        if num_splits is not None:
+            raise ValueError("pass num_splits or split_keys, not both")
+        if (not isinstance(split_keys, (int, numpy.integer)) or split_keys < 1
+                or _build.cdiv(S_max, split_keys) > _MAX_SPLITS):
+            raise ValueError(f"split_keys must be an integer >= {_build.cdiv(S_max, _MAX_SPLITS)} (at most "
+                             f"{_MAX_SPLITS} chunks of a cache of {S_max} rows), got {split_keys!r}")
+        if merge != "last-block":
+            raise ValueError("split_keys merges in the last block of a sequence: merge must be 'last-block'")
     if threads is not None and threads not in (_THREADS, _WIDE):
         raise ValueError(f"threads must be {_THREADS} or {_WIDE}, got {threads}")
     if threads == _WIDE and quantized:
@@ -244,7 +256,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
         return out
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     kern, blocks, splits, auto_threads = launch_config(q.dtype, k_cache.dtype, B, H, H_kv, D, S_max)
-    splits = num_splits or splits
+    splits = _build.cdiv(S_max, split_keys) if split_keys is not None else num_splits or splits
     if threads is not None and threads != auto_threads:
         kern = _build.kernel(_SRC, _name(_build.ctype(q.dtype), kv_type, D, H // blocks, threads))
     threads = threads or auto_threads
@@ -256,7 +268,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     kern((blocks, B, splits), (threads,),
          (out, *_or_null(part_o, part_lse, counters), q, k_cache, v_cache, *_or_null(k_scale, v_scale), seq_lens,
           *_or_null(alibi_slopes),
-          i32(H), i32(H_kv), i32(S_max), i64(q.strides[0] // item), f32(scale)))
+          i32(H), i32(H_kv), i32(S_max), i64(q.strides[0] // item), f32(scale), i32(split_keys or 0)))
     if splits > 1 and merge == "kernel":
         merge_kern = _build.kernel(_SRC, _merge_name(_build.ctype(q.dtype), D))
         merge_kern((B * H,), (D,), (out, part_o, part_lse, i32(B * H), i32(splits)))

@@ -52,14 +52,12 @@ def ring_stages(kern=None) -> int:
     return min(MAX_STAGES, (_build.smem_optin() - static) // STAGE_BYTES)
 
 
-def unsupported(dtype, C: int, H: int, splits: int, attention_threads: int) -> str | None:
+def unsupported(dtype, C: int, H: int, attention_threads: int) -> str | None:
     """Why the fused step cannot run a model of these sizes here (None: it can)."""
     if numpy.dtype(dtype).itemsize != 2:
         return f"the fused decode step takes float16 / bfloat16 models, not {numpy.dtype(dtype)}"
     if H * HEAD_DIM != C or C > MAX_C:
         return f"the fused decode step takes heads of {HEAD_DIM} and widths up to {MAX_C}, not {H} heads of {C}"
-    if splits < 2:
-        return "the fused decode step merges two or more attention splits"
     if attention_threads not in ATTENTION_THREADS:
         return f"the fused decode step runs attention in blocks of {ATTENTION_THREADS} threads, not {attention_threads}"
     if not _build.cooperative_supported():
@@ -70,7 +68,7 @@ def unsupported(dtype, C: int, H: int, splits: int, attention_threads: int) -> s
 
 
 def decode_step(tokens, positions, seq_lens, x, qkv, f, stats, k_cache, v_cache, layers: list[dict], wte, wpe,
-                lm_head, head_u, head_c, *, eps: float, splits: int, attention_threads: int, trace=None) -> None:
+                lm_head, head_u, head_c, *, eps: float, split_keys: int, attention_threads: int, trace=None) -> None:
     """One decode step of one sequence, in place: x [1, C] <- embedding of tokens[0] at
     positions[0], the blocks (keys and values into k_cache / v_cache [L, 1, H, S_max, 64] at
     positions[0], seq_lens[0] <- positions[0] + 1), then tokens[0] <- argmax of the logits and
@@ -79,9 +77,10 @@ def decode_step(tokens, positions, seq_lens, x, qkv, f, stats, k_cache, v_cache,
     ``layers``: per block, the arrays of LAYER_KEYS, with the LayerNorms folded into the
     products as the model folds them (``fold_layernorm``): attn_u / attn_c, fc_u / fc_c and
     head_u / head_c float32; ln1_w / ln1_b the first block's LayerNorm (run before its
-    q|k|v product). ``splits``: chunks of each cache in attention (as decode_attention's
-    num_splits) and ``attention_threads`` (its threads per block, 128 or 512): the step's
-    attention then has decode_attention's bits. Launched on the current stream; records into a plan.
+    q|k|v product). ``split_keys``: keys per chunk of the cache in attention (as
+    decode_attention's split_keys; every chunk is merged, one alone included) and
+    ``attention_threads`` (its threads per block, 128 or 512): the step's attention then has
+    decode_attention's bits. Launched on the current stream; records into a plan.
 
     ``trace``: None, or a uint64 array [SMs, trace_marks(L)] that receives each block's global
     timer (ns) at the marks of its timeline (decode_step.cu's Trace)."""
@@ -102,8 +101,9 @@ def decode_step(tokens, positions, seq_lens, x, qkv, f, stats, k_cache, v_cache,
         raise ValueError(f"{len(layers)} layers for a cache of {L}")
     if attention_threads not in ATTENTION_THREADS:
         raise ValueError(f"attention_threads must be one of {ATTENTION_THREADS}, got {attention_threads!r}")
-    if not 2 <= splits <= S_max:
-        raise ValueError(f"splits must be in [2, {S_max}], got {splits}")
+    if not isinstance(split_keys, (int, numpy.integer)) or split_keys < 1:
+        raise ValueError(f"split_keys must be a positive integer, got {split_keys!r}")
+    splits = _build.cdiv(S_max, split_keys)
     for name, a, shape, dtype in (("tokens", tokens, (1,), numpy.int32), ("positions", positions, (1,), numpy.int32),
                                   ("seq_lens", seq_lens, (1,), numpy.int32), ("qkv", qkv, (1, 3 * C), x.dtype),
                                   ("f", f, (1, 4 * C), x.dtype), ("stats", stats, (1, C // 16, 2), numpy.float32),
@@ -145,5 +145,6 @@ def decode_step(tokens, positions, seq_lens, x, qkv, f, stats, k_cache, v_cache,
     kern((grid,), (THREADS,),
          (tokens, positions, seq_lens, x, qkv, f, stats, part_o, part_lse, best_val, best_idx, sync, k_cache, v_cache,
           cupy.asarray(table), wte, wpe, lm_head, head_u, head_c, i32(L), i32(C), i32(H), i32(S_max),
-          i32(lm_head.shape[0]), i32(splits), i32(_mma_warps(C)), i32(_mma_warps(4 * C)), i32(stages), f32(eps),
+          i32(lm_head.shape[0]), i32(splits), i32(split_keys), i32(_mma_warps(C)), i32(_mma_warps(4 * C)),
+          i32(stages), f32(eps),
           f32(1.0 / numpy.sqrt(D)), 0 if trace is None else trace, i32(marks)), shared_mem=stages * STAGE_BYTES)

@@ -37,19 +37,20 @@ PREFILL_TOKENS = 8192
 PLAN_TOKENS = 256
 PLANS = 8
 
-# Splits of each sequence's cache in the decode step's attention, whatever the batch. One
-# sequence alone would take 16 (GPT-2 at 1,024 positions), but at batch 64 that makes 12,288
-# blocks of one trip each. H100, GPT-2 small float16, us a layer in a CUDA graph, 16 / 4
-# splits of 128-thread blocks (benchmarks/results/decode_splits-h100.json): batch 1 with 264
-# cached keys 4.3 / 4.3, with 1,000 4.6 / 5.1; batch 64 43.9 / 26.0 and 74.4 / 70.2; batch
-# 256 165.9 / 93.5 and 292.4 / 263.7. Fewer still (H100, float16, the whole step in a CUDA
-# graph with programmatic launch, us for 4 / 3 / 2 splits): GPT-2 small with 270 cached keys
-# at batch 1 250 / 250 / 251, batch 64 714 / 688 / 669, batch 256 2247 / 2165 / 2090; with 500
-# keys batch 1 251-255 / 253 / 264, batch 64 863 / 850 / 851; with 900 keys batch 1 265-276 /
-# 273 / 297, batch 64 1157 / 1158 / 1162; GPT-2 XL at batch 1 with 270 keys 1890-1904 / 1871 /
-# 1868, with 900 1966 / 2002 / 2094, at batch 64 6403-6431 / 6265 / 6089. Three splits keep
-# batch 1 within 3% at any length and take up to 4% off the batched steps (none at 900 keys).
-DECODE_SPLITS = 3
+# Keys per chunk of each sequence's cache in the decode step's attention, whatever the batch:
+# a sequence of len keys takes ceil(len / DECODE_SPLIT_KEYS) blocks a head, merged by the last
+# to finish, so its numbers follow its own length alone (not what it is batched with, nor the
+# cache bucket), and one of at most DECODE_SPLIT_KEYS keys is one block with nothing to merge.
+# (Before, every cache was cut in 3 equal chunks merged by a kernel of their own.) H100, GPT-2
+# small float16, us a layer in a CUDA graph (benchmarks/results/decode_splits-h100.json, 1 /
+# 3 equal splits with the merge kernel): batch 1 with 264 cached keys 3.75 / 4.40, 520 5.20 /
+# 4.83, 1,000 7.70 / 5.85; batch 64 20.8 / 24.7, 36.9 / 39.9, 67.5 / 70.1; batch 256 71.1 /
+# 87.1: one block a head wins wherever the batch fills the GPU, and short caches at any batch;
+# the split pays for one sequence of long caches. Chunks of 512 keys: one block up to half of
+# GPT-2's 1,024 positions, two past it. The whole step (H100, float16, CUDA graph with PDL,
+# 264 cached keys, against 3 equal splits in the same run): GPT-2 small at batch 1 249 / 251
+# us, 64 654 / 702, 256 2048 / 2192; GPT-2 XL at batch 1 1923 / 1916.
+DECODE_SPLIT_KEYS = 512
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -393,35 +394,33 @@ class GPT2:
         logits [B, V] float32, offsets [B] uint64): embed the tokens, run every block on
         the cached keys / values, LM head, next tokens, advance the positions.
 
-        Six launches a block (seven with a quantized cache): q|k|v, attention, the merge of
-        its splits, and three products. Bias, GELU, the residual add and the KV-cache append
-        run in the products' epilogues, and so does LayerNorm in 16-bit models (folded into
-        the weights; the products that update the residual stream leave its row statistics,
-        from which the next product's epilogue normalizes), but for the first block's (its x
-        comes from the embedding) and in float32 models: there each block of the product
-        normalizes the rows itself up to 16 sequences, a launch of its own does it past that
-        (the same bits)."""
+        Five launches a block (six with a quantized cache): q|k|v, attention (the chunks of a
+        long cache merged by the last block of a head), and three products. Bias, GELU, the
+        residual add and the KV-cache append run in the products' epilogues, and so does
+        LayerNorm in 16-bit models (folded into the weights; the products that update the
+        residual stream leave its row statistics, from which the next product's epilogue
+        normalizes), but for the first block's (its x comes from the embedding) and in float32
+        models: there each block of the product normalizes the rows itself up to 16
+        sequences, a launch of its own does it past that (the same bits)."""
         cfg = self.config
         B, C, H, D, eps = buf.x.shape[0], cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
         qkv = buf.qkv.reshape(B, 1, 3, H, D)  # view: [B, T=1, 3, H, D]
-        # one split count and block width for every batch and cache bucket, so that a
+        # one chunk length and block width for every batch and cache bucket, so that a
         # sequence's numbers (and tokens) depend neither on what it is batched with nor on the
-        # bucket (the chunks follow the split count and the sequence's own length): the block
-        # width decode_attention picks for one sequence in the model's full length, and at
-        # most DECODE_SPLITS splits, merged by a second kernel (GPT-2 small at B = 1: 2.8 + 1.7
-        # us a layer in a CUDA graph, 5.0 us with the last-block merge; decode_step.py, H100;
-        # the whole step with programmatic launch at B = 1 / 8 / 64 / 256: 251 / 303 / 712 / 2249
-        # us, 257 / 312 / 764 / 2458 with the last-block merge; merged instead by every block
-        # of the attention projection in its prologue, a thread per column in turn: 362 / 788
-        # us at B = 1 / 8, against 255 / 296)
-        splits, threads = self._decode_attention_shape(cache)
+        # bucket: the block width decode_attention picks for one sequence in the model's full
+        # length, chunks of DECODE_SPLIT_KEYS keys merged by the last block of a head (three
+        # equal splits merged by a second kernel, before: GPT-2 small at B = 1 2.8 + 1.7 us a
+        # layer in a CUDA graph, 5.0 us with the last-block merge; decode_step.py, H100; merged
+        # instead by every block of the attention projection in its prologue, a thread per
+        # column in turn: 362 / 788 us a step at B = 1 / 8, against 255 / 296)
+        split_keys, threads = self._decode_attention_shape(cache)
         stats = buf.stats if self.folded else None  # [B, C / 16, 2]: of the residual stream buf.x
 
         def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm
             return dict(ln_fold=(stats, u, c, eps)) if folded else dict(bias=b, ln=ln)
 
         if self.fused_step and B == 1 and sampling is None and cache.k_scale is None and self.folded:
-            why = K.decode_step_unsupported(self.dtype, C, H, splits, threads)
+            why = K.decode_step_unsupported(self.dtype, C, H, threads)
             if why is None:
                 return self._record_fused_step(cache, buf)
         with _build.recording() as plan:
@@ -437,8 +436,8 @@ class GPT2:
                     K.linear(buf.x, blk.attn_w, out=buf.qkv, **qkv_in)
                     K.kv_append(k=qkv[:, :, 1], v=qkv[:, :, 2], start=cache.positions, seq_lens=cache.lengths,
                                 **cache.layer(i))
-                K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, num_splits=splits,
-                                   threads=threads, merge="kernel", out=buf.att, **cache.layer(i))
+                K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, split_keys=split_keys,
+                                   threads=threads, out=buf.att, **cache.layer(i))
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x,
                          stats_out=stats)
                 K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f,
@@ -449,10 +448,10 @@ class GPT2:
         return plan
 
     def _decode_attention_shape(self, cache: KVCache) -> tuple[int, int]:
-        """(splits, threads a block) of the decode step's attention (record_step says why)."""
+        """(keys a chunk, threads a block) of the decode step's attention (record_step says why)."""
         cfg = self.config
         alone = launch_config(self.dtype, cache.k.dtype, 1, cfg.n_head, cfg.n_head, cfg.head_dim, cfg.n_positions)
-        return min(alone.splits, DECODE_SPLITS), alone.threads
+        return DECODE_SPLIT_KEYS, alone.threads
 
     def _record_fused_step(self, cache: KVCache, buf) -> _build.Plan:
         """The decode step of one greedy sequence as one persistent kernel (cupy_kernels.decode_step):
@@ -464,7 +463,7 @@ class GPT2:
     def fused_step_launch(self, cache: KVCache, buf, trace=None) -> None:
         """Launch (or record) the fused decode step on ``cache`` and ``buf`` (one sequence);
         ``trace``: its timeline buffer (cupy_kernels.decode_step)."""
-        splits, threads = self._decode_attention_shape(cache)
+        split_keys, threads = self._decode_attention_shape(cache)
         first = self.blocks[0]
         layers = [{"attn_w": b.attn_w, "attn_b": b.attn_b, "attn_u": b.attn_u, "attn_c": b.attn_c,
                    "proj_w": b.attn_proj_w, "proj_b": b.attn_proj_b, "fc_w": b.fc_w, "fc_u": b.fc_u, "fc_c": b.fc_c,
@@ -472,7 +471,7 @@ class GPT2:
                   for b in self.blocks]
         K.decode_step(buf.tokens, cache.positions, cache.lengths, buf.x, buf.qkv, buf.f, buf.stats, cache.k, cache.v,
                       layers, self.wte, self.wpe, self.lm_head, self.head_u, self.head_c,
-                      eps=self.config.layer_norm_epsilon, splits=splits, attention_threads=threads, trace=trace)
+                      eps=self.config.layer_norm_epsilon, split_keys=split_keys, attention_threads=threads, trace=trace)
 
     @property
     def engine(self):

@@ -17,8 +17,11 @@
 // of a warp combine their results with shuffles, the warps theirs through shared memory.
 // The first chunk's first trip of rows is requested before the sequence length arrives
 // (it starts at row 0 whatever the length), so an unsplit short cache waits for memory once.
-// Split: blockIdx.z takes one of gridDim.z equal chunks of the sequence (multiples of the
-// block's key tile). With one split the block writes out; otherwise it writes its output,
+// Split: blockIdx.z takes one chunk of the sequence: chunks of chunk_keys keys (a sequence of
+// len keys uses the first ceil(len / chunk_keys) of gridDim.z blocks, so its split count, and
+// its numbers, follow its own length alone), or, with chunk_keys = 0, one of gridDim.z equal
+// chunks (multiples of the block's key tile). A sequence of one chunk (one split, or at most
+// chunk_keys keys) is written to out by its block; otherwise each block writes its output,
 // normalized, and its log2-sum-exp to float32 scratch, and the chunks are combined either
 // by the last block of the heads to finish (given counters) or by decode_attention_merge_kernel,
 // both with merge_column (a thread per output column, 16 splits in flight).
@@ -40,29 +43,36 @@ __global__ void __launch_bounds__(THREADS)
                             const KT* __restrict__ v_cache, const float* __restrict__ k_scale,
                             const float* __restrict__ v_scale, const int* __restrict__ seq_lens,
                             const float* __restrict__ alibi, int H, int H_kv, int S_max, long long q_sb,
-                            float scale) {
+                            float scale, int chunk_keys) {
     griddep_wait();  // programmatic dependent launch: the previous kernel's writes are visible
     griddep_launch_dependents();
     const int b = blockIdx.y, splits = gridDim.z;
     attend<T, KT, D, QPB, THREADS>(out, part_o, part_lse, q, k_cache, v_cache, k_scale, v_scale, seq_lens, alibi, H,
-                                   H_kv, S_max, q_sb, scale, blockIdx.x, b, blockIdx.z, splits, gridDim.y);
+                                   H_kv, S_max, q_sb, scale, blockIdx.x, b, blockIdx.z, splits, gridDim.y,
+                                   chunk_keys);
     if (splits == 1 || counters == nullptr) return;
     constexpr int TILE = attention_tile<KT, D, THREADS>();
     const int len = seq_lens[b];
-    const int chunk = (len + splits * TILE - 1) / (splits * TILE) * TILE;
+    const int chunk = chunk_length(len, splits, chunk_keys, TILE);
+    // splits past the last key hold nothing: leave them out
+    const int used = chunk > 0 ? min(splits, (len + chunk - 1) / chunk) : 0;  // len 0: zeros
+    // chunks of chunk_keys keys: one chunk was written to out by attend; a chunk past the
+    // sequence's last key did nothing and is not counted
+    if (chunk_keys > 0 && (used <= 1 || static_cast<int>(blockIdx.z) >= used)) return;
+    // chunks of chunk_keys keys: the `used` blocks that ran count; equal parts: every split
+    const int arrivals = chunk_keys > 0 ? used : splits;
     const int h0 = blockIdx.x / (H / H_kv / QPB) * (H / H_kv) + (blockIdx.x % (H / H_kv / QPB)) * QPB;
 
     // The last of the splits of these heads to finish merges them all (no second launch).
-    // atomicInc wraps to 0 after splits - 1, so the counters are zero again for the next call.
+    // atomicInc wraps to 0 after arrivals - 1, so the counters are zero again for the next call.
     __shared__ bool s_last;
     __threadfence();  // this thread's partial results are visible to the GPU before it is counted
     __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicInc(&counters[b * gridDim.x + blockIdx.x], splits - 1) == splits - 1;
+    if (threadIdx.x == 0)
+        s_last = atomicInc(&counters[b * gridDim.x + blockIdx.x], arrivals - 1) == static_cast<unsigned>(arrivals - 1);
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    // splits past the last key hold nothing: leave them out
-    const int used = chunk > 0 ? min(splits, (len + chunk - 1) / chunk) : 0;  // len 0: zeros
     const long long row_h0 = static_cast<long long>(b) * H + h0, rows = static_cast<long long>(gridDim.y) * H;
     for (int e = threadIdx.x; e < QPB * D; e += THREADS)
         merge_column<T, D>(out, part_o, part_lse, row_h0 + e / D, rows, used, e % D);

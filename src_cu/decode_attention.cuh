@@ -111,21 +111,31 @@ template <typename KT, int GROUPS, int UNROLL, bool STREAMING> struct Trip {
     }
 };
 
+// Keys of chunk `split` of a sequence of len keys: chunks of chunk_keys keys each (the split
+// count then follows the sequence's own length; splits past its last key are empty), or, with
+// chunk_keys = 0, `splits` equal parts of the length rounded up to whole loop trips of TILE.
+__device__ __forceinline__ int chunk_length(int len, int splits, int chunk_keys, int tile) {
+    return chunk_keys > 0 ? chunk_keys : (len + splits * tile - 1) / (splits * tile) * tile;
+}
+
 // One block of THREADS threads: query heads h0 .. h0 + QPB of KV-head group `bx`, sequence b,
-// chunk `split` of `splits`. With one split it writes out[b, h, :]; otherwise the chunk's
-// normalized output and log2-sum-exp into part_o [splits, batch, H, D] / part_lse. The caller
-// syncs the block before it calls this again (shared memory is reused).
+// chunk `split` of `splits` (chunk_length). It writes out[b, h, :] when the sequence is one
+// chunk (one split, or a sequence of at most chunk_keys keys) unless PARTIALS; otherwise the
+// chunk's normalized output and log2-sum-exp into part_o [splits, batch, H, D] / part_lse
+// (merge_column of one split gives the bits of the direct write). The caller syncs the block
+// before it calls this again (shared memory is reused).
 // PARTS > 1: a block of PARTS x THREADS threads runs PARTS items at once; thread tid of part
 // `part` (tid = threadIdx.x % THREADS), each part with shared arrays and a named barrier of its
 // own. The arithmetic is the same for every PARTS. Q_THROUGH_L2: see load_query.
-template <typename T, typename KT, int D, int QPB, int THREADS, int PARTS = 1, bool Q_THROUGH_L2 = false>
+template <typename T, typename KT, int D, int QPB, int THREADS, int PARTS = 1, bool Q_THROUGH_L2 = false,
+          bool PARTIALS = false>
 __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse,
                                        const T* __restrict__ q, const KT* __restrict__ k_cache,
                                        const KT* __restrict__ v_cache, const float* __restrict__ k_scale,
                                        const float* __restrict__ v_scale, const int* __restrict__ seq_lens,
                                        const float* __restrict__ alibi, int H, int H_kv, int S_max, long long q_sb,
                                        float scale, int bx, int b, int split, int splits, int batch,
-                                       int tid = threadIdx.x, int part = 0) {
+                                       int chunk_keys, int tid = threadIdx.x, int part = 0) {
     using Fmt = KvFormat<KT>;
     constexpr int VEC = KvVec<KT>::N;
     constexpr int G = D / VEC;  // lanes per key row
@@ -186,8 +196,11 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
     cur.load(kc, vc, ks, vs, D, group, 0, early ? min(TILE, S_max) : 0);
 
     const int len = seq_lens[b];  // (written once a step, before any block of the step reads it)
-    const int chunk = (len + splits * TILE - 1) / (splits * TILE) * TILE;
+    const int chunk = chunk_length(len, splits, chunk_keys, TILE);
     const int s_begin = split * chunk, s_end = min(len, s_begin + chunk);
+    // the sequence is this one chunk: its output goes straight to out
+    const bool one_chunk = !PARTIALS && (splits == 1 || (chunk_keys > 0 && s_begin == 0 && s_end == len));
+    if (!PARTIALS && chunk_keys > 0 && split > 0 && s_begin >= len) return;  // past the last key: nothing to do
 
     float qv[QPB][VEC], slope[QPB], m[QPB], l[QPB], acc[QPB][VEC];
 #pragma unroll
@@ -337,7 +350,7 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
         }
         const long long row = static_cast<long long>(b) * H + h0 + j;  // (b, h)
         const float o_norm = sum > 0.0f ? o / sum : 0.0f;
-        if (splits == 1) {
+        if (one_chunk) {
             out[row * D + d] = from_float<T>(o_norm);
         } else {
             const long long part = static_cast<long long>(split) * batch * H + row;

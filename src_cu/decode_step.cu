@@ -6,7 +6,7 @@
 //
 // Per block of the model (x the residual stream, row statistics as linear.cu leaves them):
 //   qkv   = LN_1(x) Wqkv^T + b       keys and values into the cache at positions[0]
-//   att   = attention of q over the cache, in `splits` chunks (decode_attention.cuh)
+//   att   = attention of q over the cache, in `splits` chunks of chunk_keys keys (decode_attention.cuh)
 //   x    += merge(att) Wo^T + bo      (the last split of a head to finish merges its chunks)
 //   f     = gelu(LN_2(x) Wfc^T + bfc)
 //   x    += f Wp^T + bp
@@ -384,7 +384,8 @@ template <typename T, int ATT_THREADS>
 __device__ __noinline__ void attention_item(T* att, unsigned* head_done, const unsigned* head_ready,
                                             unsigned ready, int* s_last, float* part_o, float* part_lse,
                                             const T* qkv, const T* kc, const T* vc, const int* seq_lens, int H,
-                                            int S_max, int C, float scale, int item, int splits) {
+                                            int S_max, int C, float scale, int item, int splits,
+                                            int chunk_keys) {
     constexpr int PARTS = STEP_THREADS / ATT_THREADS, D = HEAD_DIM;
     const int tid = threadIdx.x % ATT_THREADS, part = threadIdx.x / ATT_THREADS, h = item % H;
     if (tid == 0) {  // the head's q, k and v of this layer are written (its tiles counted up to `ready`)
@@ -395,9 +396,9 @@ __device__ __noinline__ void attention_item(T* att, unsigned* head_done, const u
         __threadfence();
     }
     asm volatile("barrier.sync %0, %1;\n" ::"r"(1 + part), "n"(ATT_THREADS) : "memory");
-    attend<T, T, D, 1, ATT_THREADS, PARTS, true>(nullptr, part_o, part_lse, qkv, kc, vc, nullptr, nullptr, seq_lens,
-                                                 nullptr, H, H, S_max, 3LL * C, scale, h, 0, item / H, splits, 1, tid,
-                                                 part);
+    attend<T, T, D, 1, ATT_THREADS, PARTS, true, true>(nullptr, part_o, part_lse, qkv, kc, vc, nullptr, nullptr,
+                                                       seq_lens, nullptr, H, H, S_max, 3LL * C, scale, h, 0, item / H,
+                                                       splits, 1, chunk_keys, tid, part);
     __threadfence();  // this thread's partial results are visible to the GPU before the split is counted
     asm volatile("barrier.sync %0, %1;\n" ::"r"(1 + part), "n"(ATT_THREADS) : "memory");
     // atomicInc wraps to 0 after splits - 1: the counters are zero again for the next layer
@@ -419,7 +420,8 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
                        T* __restrict__ v_cache, const unsigned long long* __restrict__ layers,
                        const T* __restrict__ wte, const T* __restrict__ wpe, const T* __restrict__ lm_head,
                        const float* __restrict__ head_u, const float* __restrict__ head_c, int n_layer, int C, int H,
-                       int S_max, int V, int splits, int kw_c, int kw_4c, int n_stages, float eps, float scale,
+                       int S_max, int V, int splits, int chunk_keys, int kw_c, int kw_4c, int n_stages, float eps,
+                       float scale,
                        unsigned long long* __restrict__ trace, int trace_marks) {
     static_assert(STEP_THREADS % ATT_THREADS == 0, "attention items in whole parts of the block");
     constexpr int PARTS = STEP_THREADS / ATT_THREADS;
@@ -518,7 +520,8 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
             const int item = i0 + part * gridDim.x + blockIdx.x;
             if (item < H * splits)
                 attention_item<T, ATT_THREADS>(f, head_done, head_ready, (l + 1) * HEAD_TILES, sh.att_last, part_o,
-                                               part_lse, qkv, kc, vc, &sh.seq_len, H, S_max, C, scale, item, splits);
+                                               part_lse, qkv, kc, vc, &sh.seq_len, H, S_max, C, scale, item, splits,
+                                               chunk_keys);
             consumers_sync();
         }
         tr.mark();

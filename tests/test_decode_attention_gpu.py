@@ -86,6 +86,46 @@ def test_decode_attention(H, H_kv, D, lens, alibi, dtype, kv, splits, merge):
         assert not counters.any()
 
 
+# chunks shorter than a loop trip, of one trip and a half, and longer than most sequences
+@pytest.mark.parametrize("split_keys", [40, 96, 1000])
+@pytest.mark.parametrize("kv", list(KV))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("H,H_kv,D,lens,alibi", CASES)
+def test_decode_attention_split_keys(H, H_kv, D, lens, alibi, dtype, kv, split_keys):
+    """Chunks of split_keys keys: each sequence as many as its own length needs (one: written
+    by its block; more: merged by the last); with the block width fixed, a sequence's bits
+    alone are its bits in the batch (as the decode step fixes it)."""
+    rng = np.random.default_rng(H * 1000 + sum(lens) + D + split_keys)
+    B, S = len(lens), max(lens) + 3
+    if S > 128 * split_keys:
+        pytest.skip("more than 128 chunks")
+    cache, k_host, v_host = build_cache(rng, B, H_kv, S, D, lens, dtype, KV[kv])
+    q_rows, q_rowsh = rand(rng, (B, 3, H, D), dtype)
+    slopes = None
+    if alibi:
+        slopes = cp.asarray((2.0 ** (-8.0 * np.arange(1, H + 1) / H)).astype(np.float32))
+    seq = cp.asarray(np.array(lens, dtype=np.int32))
+    out = poisoned((B, H, D), dtype)
+    K.decode_attention(q_rows[:, 0], seq_lens=seq, alibi_slopes=slopes, split_keys=split_keys, out=out, **cache)
+    check(out, ref.decode_attention(q_rowsh[:, 0], k_host, v_host, lens,
+                                    alibi_slopes=None if slopes is None else slopes.get()), dtype)
+    for counters in _COUNTERS.values():  # the merge leaves its counters zeroed
+        assert not counters.any()
+    if H_kv != H:  # (grouped heads: the heads a block takes follow the batch's rows)
+        return
+    # a sequence alone (its own cache rows only) gets its bits in the batch, for a fixed block width
+    batch = K.decode_attention(q_rows[:, 0], seq_lens=seq, alibi_slopes=slopes, split_keys=split_keys, threads=128,
+                               **cache)
+    check(batch, ref.decode_attention(q_rowsh[:, 0], k_host, v_host, lens,
+                                      alibi_slopes=None if slopes is None else slopes.get()), dtype)
+    for b in range(B):
+        alone = poisoned((1, H, D), dtype)
+        one = {name: a[b : b + 1] for name, a in cache.items()}
+        K.decode_attention(q_rows[b : b + 1, 0], seq_lens=seq[b : b + 1], alibi_slopes=slopes, split_keys=split_keys,
+                           threads=128, out=alone, **one)
+        assert cp.array_equal(alone.view(cp.uint8), batch[b : b + 1].view(cp.uint8))
+
+
 @pytest.mark.parametrize("threads", [128, 512])
 @pytest.mark.parametrize("qpb", [1, 2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -199,6 +239,12 @@ def test_decode_attention_bad_inputs_raise():
                            v_scale=cp.ones((2, 4, 16), np.float32))
     with pytest.raises(ValueError, match="merge"):
         K.decode_attention(q, kc, kc, seq, merge="tree")
+    with pytest.raises(ValueError, match="split_keys"):
+        K.decode_attention(q, kc, kc, seq, split_keys=0)
+    with pytest.raises(ValueError, match="num_splits or split_keys"):
+        K.decode_attention(q, kc, kc, seq, num_splits=2, split_keys=64)
+    with pytest.raises(ValueError, match="last-block"):
+        K.decode_attention(q, kc, kc, seq, split_keys=64, merge="kernel")
     with pytest.raises(ValueError, match="alibi_slopes"):
         K.decode_attention(q, kc, kc, seq, alibi_slopes=cp.zeros(4, np.float32))
     with pytest.raises(TypeError, match="v_cache"):

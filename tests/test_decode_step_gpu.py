@@ -107,22 +107,22 @@ def test_fused_step_rejects_bad_shapes():
     args = (buf.tokens[:1], cache.positions[:1], cache.lengths[:1])
     with pytest.raises(ValueError, match="one sequence"):
         K.decode_step(*args, buf.x, buf.qkv, buf.f, buf.stats, cache.k, cache.v, [layer], model.wte, model.wpe,
-                      model.lm_head, model.head_u, model.head_c, eps=1e-5, splits=3, attention_threads=128)
+                      model.lm_head, model.head_u, model.head_c, eps=1e-5, split_keys=512, attention_threads=128)
     one = DecodeBuffers(cfg, 1, model.dtype)
     with pytest.raises(ValueError, match="k_cache"):  # a cache of two sequences
         K.decode_step(*args, one.x, one.qkv, one.f, one.stats, cache.k, cache.v, [layer], model.wte, model.wpe,
-                      model.lm_head, model.head_u, model.head_c, eps=1e-5, splits=3, attention_threads=128)
+                      model.lm_head, model.head_u, model.head_c, eps=1e-5, split_keys=512, attention_threads=128)
     c1 = KVCache(cfg, 1, 64, model.dtype)
-    with pytest.raises(ValueError, match="splits"):
+    with pytest.raises(ValueError, match="split_keys"):
         K.decode_step(*args, one.x, one.qkv, one.f, one.stats, c1.k, c1.v, [layer], model.wte, model.wpe,
-                      model.lm_head, model.head_u, model.head_c, eps=1e-5, splits=1, attention_threads=128)
+                      model.lm_head, model.head_u, model.head_c, eps=1e-5, split_keys=0, attention_threads=128)
     bad = dict(layer, fc_u=blk.fc_u.astype(cp.float16))
     with pytest.raises(ValueError, match="fc_u"):
         K.decode_step(*args, one.x, one.qkv, one.f, one.stats, c1.k, c1.v, [bad], model.wte, model.wpe,
-                      model.lm_head, model.head_u, model.head_c, eps=1e-5, splits=3, attention_threads=128)
+                      model.lm_head, model.head_u, model.head_c, eps=1e-5, split_keys=512, attention_threads=128)
     with pytest.raises(ValueError, match="trace"):
         K.decode_step(*args, one.x, one.qkv, one.f, one.stats, c1.k, c1.v, [layer], model.wte, model.wpe,
-                      model.lm_head, model.head_u, model.head_c, eps=1e-5, splits=3, attention_threads=128,
+                      model.lm_head, model.head_u, model.head_c, eps=1e-5, split_keys=512, attention_threads=128,
                       trace=cp.zeros((1, 3), dtype=cp.uint64))
     assert model.generate([1, 2, 3], 3)  # still usable
 

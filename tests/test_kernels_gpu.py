@@ -154,7 +154,9 @@ LINEAR_CASES = [  # (B, N, K, variant): GPT-2 small / XL decode shapes, batches,
     (17, 2304, 768, "ln"), (64, 3072, 768, "ln_gelu"), (255, 768, 3072, "residual"), (33, 1000, 1600, "ln_logits"),
     (100, 200, 776, "gelu"),
     # the LM head past 32 rows: two m-tiles a block, the last one's second tile partly / wholly past N
-    (64, 50257, 768, "logits"), (40, 50241, 72, "ln_logits"),
+    (64, 50257, 768, "logits"), (40, 50241, 72, "ln_logits"), (100, 50257, 768, "ln_logits"),
+    # GPT-2 XL's LM head, rows past one n-tile
+    (24, 50257, 1600, "logits"),
 ]
 
 
