@@ -106,8 +106,9 @@ def bench_gemv(sizes, dtypes, ceiling, pdl_ok, sweep_dtypes, batches=(1,)) -> li
                                  "pct_copy": round(100 * nbytes / us / 1e3 / ceiling, 1)})
 
             shapes = [{}]  # launch-shape overrides: the default first
-            if dtype in sweep_dtypes and s == 2 and B == 1:  # tensor cores: the warps that split K
-                shapes += [{"warps": wp} for wp in (2, 4, 8)]
+            if dtype in sweep_dtypes and s == 2 and B == 1:  # tensor cores: the warps that split K, and
+                shapes += [{"warps": wp} for wp in (2, 4, 8)]  # W a batch ahead or not
+                shapes += [{"ahead": a} for a in (False, True)]
             elif dtype in sweep_dtypes and s == 2:  # n-tiles of 8 rows of x per block
                 shapes += [{"tile": t} for t in linear_mod.MMA_TILES]
             elif dtype in sweep_dtypes:
@@ -128,8 +129,9 @@ def bench_gemv(sizes, dtypes, ceiling, pdl_ok, sweep_dtypes, batches=(1,)) -> li
             sweep = [q for q in rows if q["role"] == role and q["model"] == size and q["dtype"] == dtype
                      and q["batch"] == B and q["impl"] == "ours-tile" and q["timing"] == "graph" and q["pdl"] == pdl_ok]
             if sweep:
-                print("    tiles (graph): " + ", ".join(f"{q.get('tile')}x{q.get('warps')} {q['us']:.2f}"
-                                                   for q in sorted(sweep, key=lambda q: q["us"])), flush=True)
+                print("    tiles (graph): " + ", ".join(
+                    f"{q.get('tile')}x{q.get('warps')}{' ahead' if q.get('ahead') else ''} {q['us']:.2f}"
+                    for q in sorted(sweep, key=lambda q: q["us"])), flush=True)
             tw = w = None  # free the copies before the next shape
             torch.cuda.empty_cache()
     return rows

@@ -83,6 +83,10 @@ def main():
                 for tile in K.linear_tiles(dtype):
                     K.linear(x, wt, ln_fold=(stats, u, c, 1e-5), gelu=True, tile=tile)
                     K.linear_argmax(x, wt, ln_fold=(stats, u, c, 1e-5), tile=tile)
+                if B <= 8:  # one n-tile with W a batch ahead (a block an SM)
+                    K.linear(x, wt, bias, residual=res, out=res, stats_out=cp.empty((B, -(-N // 16), 2), np.float32),
+                             ahead=True)
+                    K.linear(x, wt, bias, gelu=True, ahead=True)
             H, D = 2, Kd // 6 if Kd % 6 == 0 else 0
             if D:  # the q|k|v product into a cache
                 kc, vc = r(B, H, 9, D, dtype=dtype), r(B, H, 9, D, dtype=dtype)

@@ -81,6 +81,10 @@ def _mma_name(c_type: str, out_type: str, nt: int, u: int, xin: int, epi: str, m
     return f"linear_mma_kernel<{c_type}, {out_type}, {nt}, {u}, {xin}, {_EPI[epi]}, {mt}>"
 
 
+def _mma_ahead_name(c_type: str, u: int, epi: str) -> str:
+    return f"linear_mma_ahead_kernel<{c_type}, {c_type}, {u}, {_EPI[epi]}>"
+
+
 def _ln_rows_name(c_type: str) -> str:
     return f"ln_rows_kernel<{c_type}>"
 
@@ -118,6 +122,9 @@ _build.declare(
         for c in _HALVES
         for xin in (X_PLAIN, X_LN_FOLD)
         for epi in ("store", "argmax")
+    ]
+    + [  # one n-tile with W a batch ahead, a block an SM (_mma_ahead)
+        _mma_ahead_name(c, u, epi) for c in _HALVES for u in _MMA_BATCH[1] for epi in ("store", "gelu", "residual")
     ]
     + [_ln_rows_name(c) for c in _HALVES],
     pdl=True,
@@ -350,15 +357,39 @@ def _mma_plan(B: int, N: int, K: int, ln: bool, tile, warps, sms: int, smem_limi
     return nt, batch(nt), kw, X_PLAIN, red(nt, mt), xs_stride, mt
 
 
-def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats):
+def _mma_ahead(B: int, N: int, K: int, nt: int, u: int, kw: int, xin: int, mt: int, epi: str, own_out: bool,
+               sms: int, ahead) -> bool:
+    """Whether one n-tile runs with W a batch ahead (linear_mma_ahead_kernel): plain x, outputs in
+    x's dtype, store / GELU / residual, no more tiles than SMs (a block an SM anyway, so the
+    second set of W registers, 186 in all at U = 8, costs no blocks) and at least two whole
+    batches of chunks a warp. Never changes the numbers. ``ahead``: the caller's choice (a
+    benchmark's knob), or None.
+    Measured on the H100 (float16, CUDA graph with PDL, us without / with): alone at B = 1,
+    GPT-2 XL's MLP down (25 chunks a warp at U = 8) 12.00 / 11.76, GPT-2 small's (12 chunks)
+    4.23 / 3.98; in the decode step, XL at B = 1 1934 / 1917 and 1909 / 1897, at B = 8 2348 /
+    2190 and 2341 / 2246, but GPT-2 small at B = 1 249 / 258 and 247 / 256 (small's MLP down
+    has one and a half batches a warp: not taken)."""
+    able = xin == X_PLAIN and nt == 1 and mt == 1 and own_out and epi in ("store", "gelu", "residual")
+    if ahead is not None:
+        if ahead and not able:
+            raise ValueError("ahead=True takes plain x (no ln / ln_fold), at most 8 rows of x a block, outputs "
+                             "in x's dtype and no argmax or kv_cache")
+        return bool(ahead)
+    return able and _build.cdiv(N, 16) * _build.cdiv(B, 8) <= sms and _build.cdiv(K, 32) >= 2 * u * kw
+
+
+def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats, ahead=None):
     fold, stats_out = stats
-    nt, u, kw, xin, smem, xs_stride, mt = _mma_plan(B, N, K, ln is not None, tile, warps,
-                                                    _build.sm_count(cupy.cuda.Device().id), _build.smem_optin(),
+    sms = _build.sm_count(cupy.cuda.Device().id)
+    nt, u, kw, xin, smem, xs_stride, mt = _mma_plan(B, N, K, ln is not None, tile, warps, sms, _build.smem_optin(),
                                                     fold=fold is not None,
                                                     logits=out_type == "float" and epi in ("store", "argmax"))
     if ln is not None and xin == X_PLAIN:  # normalize once, then the plain product (the same bits)
         x, ln = ln_rows(x, ln), None
-    kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, xin, epi, mt))
+    if _mma_ahead(B, N, K, nt, u, kw, xin, mt, epi, out_type == _build.ctype(x.dtype), sms, ahead):
+        kern = _build.kernel(_SRC, _mma_ahead_name(_build.ctype(x.dtype), u, epi))
+    else:
+        kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, xin, epi, mt))
     _build.set_smem(kern, smem)
     blocks = _build.cdiv(N, 16 * mt)
     if part is not None:
@@ -372,14 +403,18 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
     return blocks, part
 
 
-def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats=(None, None)):
+def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats=(None, None),
+            ahead=None):
     """Launches the product (tensor cores for 16-bit vector rows, else CUDA cores); returns
     its number of blocks and the argmax partials, made by ``part(blocks)`` when given.
     ``stats``: (ln_fold as (stats, u, c, eps), row statistics to write), tensor cores only."""
     mma = _tensor_cores(x, weight, K, ln)
     _check_tile(tile, warps, mma)
     if mma:
-        return _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats)
+        return _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats,
+                           ahead)
+    if ahead:
+        raise ValueError("ahead=True runs on tensor cores: float16 / bfloat16 rows of 16-byte vectors")
     if any(a is not None for a in stats):
         raise TypeError("ln_fold and stats_out need float16 / bfloat16 rows of 16-byte vectors (K % 8 == 0, "
                         "16-byte aligned): the tensor-core product")
@@ -473,7 +508,7 @@ def _stats_args(ln_fold, B: int, N: int, K: int, bias=None, ln=None, residual=No
 
 
 def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, residual=None, stats_out=None,
-           kv_cache=None, out_dtype=None, out=None, tile=None, warps=None) -> cupy.ndarray:
+           kv_cache=None, out_dtype=None, out=None, tile=None, warps=None, ahead=None) -> cupy.ndarray:
     """``y = act(norm(x) @ weight.T + bias)``, for a few rows of x.
 
     x: [B, K] contiguous; weight: [N, K] (out, in) contiguous; bias: [N] or None.
@@ -499,7 +534,9 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
     ``tile`` / ``warps`` override the launch shape: on CUDA cores a tile of TILES and warps
     of WARPS (the tile never changes the numbers, nor do warps without ln); on tensor cores ``tile`` is the n-tiles of 8 rows
     of x per pass (MMA_TILES, never changes the numbers) and ``warps`` the warps that split
-    K (1 to MMA_MAX_WARPS), which sets the summation order: a benchmark's knob.
+    K (1 to MMA_MAX_WARPS), which sets the summation order: a benchmark's knob. ``ahead``
+    (tensor cores, one n-tile): whether each warp requests its next batch of W before it
+    multiplies this one (never changes the numbers; chosen by shape when None).
     """
     x, weight, bias, ln, B, N, K = _prepare(x, weight, bias, ln)
     out_dtype = numpy.dtype(x.dtype if out_dtype is None else out_dtype)
@@ -529,7 +566,8 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
     if K == 0:
         raise ValueError("x has no features (K = 0)")
     epi = "residual" if residual is not None else "qkv_cache" if kv is not None else "gelu" if gelu else "store"
-    _launch(x, weight, bias, ln, residual, out, None, kv, _build.ctype(out_dtype), epi, B, N, K, tile, warps, stats)
+    _launch(x, weight, bias, ln, residual, out, None, kv, _build.ctype(out_dtype), epi, B, N, K, tile, warps, stats,
+            ahead)
     return out
 
 

@@ -506,15 +506,22 @@ template <int NT, int U, int XIN, int EPI, int MT> constexpr int mma_min_blocks(
 
 }  // namespace
 
-template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT>
-__global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN, EPI, MT>())
-    linear_mma_kernel(OutT* y, const T* x, const T* __restrict__ W, const T* __restrict__ bias,
-                      const T* __restrict__ ln_w, const T* __restrict__ ln_b, float eps, const T* res,
-                      float* __restrict__ part_val, int* __restrict__ part_idx, T* __restrict__ k_cache,
-                      T* __restrict__ v_cache, const int* __restrict__ positions, int* __restrict__ seq_lens, int H,
-                      int S_max, int B, int N, int K, int xs_stride, const float2* stats_in,
-                      float2* __restrict__ stats_out, const float* __restrict__ fold_u,
-                      const float* __restrict__ fold_c) {
+// linear_mma_kernel's parameters, and the arguments that pass them on
+#define LINEAR_MMA_PARAMS                                                                                          \
+    OutT *y, const T *x, const T *__restrict__ W, const T *__restrict__ bias, const T *__restrict__ ln_w,          \
+        const T *__restrict__ ln_b, float eps, const T *res, float *__restrict__ part_val,                          \
+        int *__restrict__ part_idx, T *__restrict__ k_cache, T *__restrict__ v_cache,                               \
+        const int *__restrict__ positions, int *__restrict__ seq_lens, int H, int S_max, int B, int N, int K,       \
+        int xs_stride, const float2 *stats_in, float2 *__restrict__ stats_out, const float *__restrict__ fold_u,   \
+        const float *__restrict__ fold_c
+#define LINEAR_MMA_ARGS                                                                                            \
+    y, x, W, bias, ln_w, ln_b, eps, res, part_val, part_idx, k_cache, v_cache, positions, seq_lens, H, S_max, B, N, \
+        K, xs_stride, stats_in, stats_out, fold_u, fold_c
+
+// The product. AHEAD: each warp requests its next batch of W before it multiplies this one
+// (W_AHEAD, or linear_mma_ahead_kernel).
+template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT, bool AHEAD>
+__device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
     constexpr int COLS = 8 * NT;  // rows of x per block
     constexpr int TM = 16 * MT;   // rows of W per block
     static_assert(MT == 1 || EPI == STORE || EPI == ARGMAX, "several m-tiles: the LM head's epilogues");
@@ -620,8 +627,8 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
                 }
             }
         }
-        uint4 wa_next[MT][U], wb_next[MT][U];  // W_AHEAD: the next batch's W, requested before this one's mma
-        if constexpr (W_AHEAD<NT>()) {
+        uint4 wa_next[MT][U], wb_next[MT][U];  // AHEAD: the next batch's W, requested before this one's mma
+        if constexpr (AHEAD) {
             if (j0 + U < my_chunks) load_w(wa_next, wb_next, j0 + U);
         }
 #pragma unroll
@@ -638,7 +645,7 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
                 }
             }
         }
-        if constexpr (W_AHEAD<NT>()) {
+        if constexpr (AHEAD) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -748,6 +755,21 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
         if (blockIdx.x == 0 && threadIdx.x < COLS && b0 + threadIdx.x < B)
             seq_lens[b0 + threadIdx.x] = positions[b0 + threadIdx.x] + 1;
     }
+}
+
+template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT>
+__global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN, EPI, MT>())
+    linear_mma_kernel(LINEAR_MMA_PARAMS) {
+    linear_mma<T, OutT, NT, U, XIN, EPI, MT, W_AHEAD<NT>()>(LINEAR_MMA_ARGS);
+}
+
+// One n-tile (B <= 8) with W a batch ahead, for products of no more tiles than SMs and rows of
+// several batches a warp (GPT-2's MLP down, K = 4C): a block an SM whatever its registers, so
+// each warp may keep two batches of W in flight (the one-block-an-SM kernel's measurements are
+// in the wrapper's _mma_ahead).
+template <typename T, typename OutT, int U, int EPI>
+__global__ void __launch_bounds__(MMA_MAX_WARPS * 32, 1) linear_mma_ahead_kernel(LINEAR_MMA_PARAMS) {
+    linear_mma<T, OutT, 1, U, X_PLAIN, EPI, 1, true>(LINEAR_MMA_ARGS);
 }
 
 // LayerNorm of B rows into out [B, K] as T, one warp a row (ln_row: the bits of

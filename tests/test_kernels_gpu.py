@@ -236,6 +236,35 @@ def test_linear_every_tile_gives_the_same_bits(dtype):
     assert all(cp.array_equal(o, plain[0]) for o in plain[1:])
 
 
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if np.dtype(d).itemsize == 2], ids=str)
+@pytest.mark.parametrize("B,N,K_,variant", [
+    (1, 768, 3072, "residual"), (1, 1600, 6400, "residual"), (5, 100, 1032, "gelu"), (8, 37, 4104, "store"),
+    (3, 1000, 2056, "residual")])
+def test_linear_w_ahead_gives_the_same_bits(B, N, K_, variant, dtype):
+    """One n-tile with W a batch ahead (a block an SM): the bits of the plain kernel, with the
+    row statistics of a residual product too; uneven chunks a warp (K = 1032, 4104), more tiles
+    than SMs (N = 1000 at 132 SMs takes the plain kernel by default)."""
+    rng = np.random.default_rng(B * N + K_)
+    x, w, b, kw, expect = _linear_case(rng, B, N, K_, variant, dtype)
+    res = kw.pop("residual", None)
+    outs, stats = [], []
+    for ahead in (None, False, True):
+        out = poisoned((B, N), dtype)
+        st = None
+        if res is not None:  # the residual stream updated in place, its statistics beside it
+            out[...] = res
+            st = poisoned((B, -(-N // 16), 2), np.float32)
+            kw.update(residual=out, stats_out=st)
+        K.linear(x, w, b, out=out, ahead=ahead, **kw)
+        check(out, expect, dtype)
+        outs.append(out)
+        stats.append(st)
+    assert all(cp.array_equal(o, outs[0]) for o in outs)
+    if res is not None:
+        assert not cp.isnan(stats[0]).any()
+        assert all(cp.array_equal(s, stats[0]) for s in stats)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,H,D,S_max", [(1, 12, 64, 40), (3, 25, 64, 7), (9, 2, 128, 5), (20, 12, 64, 9)])
 def test_linear_qkv_into_the_cache(B, H, D, S_max, dtype):
@@ -455,6 +484,12 @@ def test_linear_bad_inputs_raise():
         K.linear(xh, wh, tile=(2, 4))
     with pytest.raises(ValueError, match="warps"):
         K.linear(xh, wh, warps=9)
+    with pytest.raises(ValueError, match="tensor cores"):
+        K.linear(x, w, ahead=True)
+    with pytest.raises(ValueError, match="plain x"):
+        K.linear(xh, wh, ln=(ln[0].astype(np.float16), ln[1].astype(np.float16), 1e-5), ahead=True)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        K.linear(cp.ones((20, 64), np.float16), wh, tile=2, ahead=True)
     with pytest.raises(TypeError, match="logits"):
         K.linear_argmax(x, w, logits=cp.empty((2, 10), np.float16))
     with pytest.raises(ValueError, match="out"):
