@@ -196,10 +196,10 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     512 (512 for caches in q's dtype only); both chosen from B, heads, S_max and the GPU's
     SM count by default (launch_config). Fixing them fixes the order of every sum, so a
     sequence's output does not depend on the batch around it. split_keys (instead of
-    num_splits): chunks of this many keys, so that a sequence of len keys takes
-    ceil(len / split_keys) chunks (its numbers follow its own length, whatever the batch and
-    S_max) and a sequence of at most split_keys keys is one block that writes its output with
-    nothing to merge; the merge is then the last block's. merge: how split chunks are
+    num_splits): a sequence of len keys takes ceil(len / split_keys) equal chunks (its
+    numbers follow its own length, whatever the batch and S_max), so one of at most
+    split_keys keys is one block that writes its output with nothing to merge; the merge is
+    then the last block's. merge: how split chunks are
     combined: 'last-block' (the last block of a head to finish merges them, one launch) or
     'kernel' (a second small kernel; inside a replayed CUDA graph, where a launch costs
     less, measured 0.4-0.5 us faster per call on an H100 for B=1, S=1024 with GPT-2's heads

@@ -37,10 +37,11 @@ PREFILL_TOKENS = 8192
 PLAN_TOKENS = 256
 PLANS = 8
 
-# Keys per chunk of each sequence's cache in the decode step's attention, whatever the batch:
-# a sequence of len keys takes ceil(len / DECODE_SPLIT_KEYS) blocks a head, merged by the last
-# to finish, so its numbers follow its own length alone (not what it is batched with, nor the
-# cache bucket), and one of at most DECODE_SPLIT_KEYS keys is one block with nothing to merge.
+# Most keys a chunk of each sequence's cache takes in the decode step's attention, whatever the
+# batch: a sequence of len keys takes ceil(len / DECODE_SPLIT_KEYS) equal chunks, a block a head
+# each, merged by the last to finish, so its numbers follow its own length alone (not what it
+# is batched with, nor the cache bucket), and one of at most DECODE_SPLIT_KEYS keys is one block
+# with nothing to merge.
 # (Before, every cache was cut in 3 equal chunks merged by a kernel of their own.) H100, GPT-2
 # small float16, us a layer in a CUDA graph (benchmarks/results/decode_splits-h100.json, 1 /
 # 3 equal splits with the merge kernel): batch 1 with 264 cached keys 3.75 / 4.40, 520 5.20 /
@@ -49,7 +50,11 @@ PLANS = 8
 # the split pays for one sequence of long caches. Chunks of 512 keys: one block up to half of
 # GPT-2's 1,024 positions, two past it. The whole step (H100, float16, CUDA graph with PDL,
 # 264 cached keys, against 3 equal splits in the same run): GPT-2 small at batch 1 249 / 251
-# us, 64 654 / 702, 256 2048 / 2192; GPT-2 XL at batch 1 1923 / 1916.
+# us, 64 654 / 702, 256 2048 / 2192; GPT-2 XL at batch 1 1923 / 1916. Equal chunks of at most
+# 384 / 448 / 512 keys (the step with PDL, us, two runs): batch 1 with 264 keys 256-246 / 247-248
+# / 248-248, 900 keys 292-293 / 294-296 / 306-306; batch 64 with 264 keys 670-676 / 673-674 /
+# 655-656, 520 903-907 / 905-907 / 897-899, 900 1185-1188 / 1184-1193 / 1190-1191; 512 new
+# tokens at batch 64 90.8k-91.4k / 89.4k-91.7k / 94.5k-94.6k tok/s.
 DECODE_SPLIT_KEYS = 512
 
 # dtype names -> (numpy dtype, torch dtype name)

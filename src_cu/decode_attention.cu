@@ -17,11 +17,12 @@
 // of a warp combine their results with shuffles, the warps theirs through shared memory.
 // The first chunk's first trip of rows is requested before the sequence length arrives
 // (it starts at row 0 whatever the length), so an unsplit short cache waits for memory once.
-// Split: blockIdx.z takes one chunk of the sequence: chunks of chunk_keys keys (a sequence of
-// len keys uses the first ceil(len / chunk_keys) of gridDim.z blocks, so its split count, and
-// its numbers, follow its own length alone), or, with chunk_keys = 0, one of gridDim.z equal
-// chunks (multiples of the block's key tile). A sequence of one chunk (one split, or at most
-// chunk_keys keys) is written to out by its block; otherwise each block writes its output,
+// Split: blockIdx.z takes one chunk of the sequence: one of gridDim.z equal chunks (multiples
+// of the block's key tile), or, with chunk_keys > 0, one of ceil(len / chunk_keys) equal chunks
+// of at most about chunk_keys keys (a sequence of len keys uses that many of the gridDim.z
+// blocks, so its split count, and its numbers, follow its own length alone). A sequence of one
+// chunk (one split, or at most chunk_keys keys) is written to out by its block; otherwise each
+// block writes its output,
 // normalized, and its log2-sum-exp to float32 scratch, and the chunks are combined either
 // by the last block of the heads to finish (given counters) or by decode_attention_merge_kernel,
 // both with merge_column (a thread per output column, 16 splits in flight).

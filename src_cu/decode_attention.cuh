@@ -111,11 +111,13 @@ template <typename KT, int GROUPS, int UNROLL, bool STREAMING> struct Trip {
     }
 };
 
-// Keys of chunk `split` of a sequence of len keys: chunks of chunk_keys keys each (the split
-// count then follows the sequence's own length; splits past its last key are empty), or, with
-// chunk_keys = 0, `splits` equal parts of the length rounded up to whole loop trips of TILE.
+// Keys a chunk of a sequence of len keys: `splits` equal parts of the length rounded up to
+// whole loop trips of TILE, or, with chunk_keys > 0, as many equal parts as chunks of at most
+// chunk_keys keys need (ceil(len / chunk_keys): the split count then follows the sequence's own
+// length, and blocks past its last chunk are empty).
 __device__ __forceinline__ int chunk_length(int len, int splits, int chunk_keys, int tile) {
-    return chunk_keys > 0 ? chunk_keys : (len + splits * tile - 1) / (splits * tile) * tile;
+    const int parts = chunk_keys > 0 ? max(1, (len + chunk_keys - 1) / chunk_keys) : splits;
+    return (len + parts * tile - 1) / (parts * tile) * tile;
 }
 
 // One block of THREADS threads: query heads h0 .. h0 + QPB of KV-head group `bx`, sequence b,

@@ -92,9 +92,9 @@ def test_decode_attention(H, H_kv, D, lens, alibi, dtype, kv, splits, merge):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("H,H_kv,D,lens,alibi", CASES)
 def test_decode_attention_split_keys(H, H_kv, D, lens, alibi, dtype, kv, split_keys):
-    """Chunks of split_keys keys: each sequence as many as its own length needs (one: written
-    by its block; more: merged by the last); with the block width fixed, a sequence's bits
-    alone are its bits in the batch (as the decode step fixes it)."""
+    """Equal chunks of at most split_keys keys: each sequence as many as its own length needs
+    (one: written by its block; more: merged by the last); with the block width fixed, a
+    sequence's bits alone are its bits in the batch (as the decode step fixes it)."""
     rng = np.random.default_rng(H * 1000 + sum(lens) + D + split_keys)
     B, S = len(lens), max(lens) + 3
     if S > 128 * split_keys:
