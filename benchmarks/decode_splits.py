@@ -1,5 +1,5 @@
 """The decode step's attention split, at every batch: why the model cuts each cache in
-chunks of 512 keys.
+equal chunks of at most 512 keys.
 
     python -m benchmarks.decode_splits
 
@@ -7,8 +7,8 @@ A sequence's attention numbers follow its split and the block width, so the deco
 splits the same way at every batch size: if the split changed with the batch, a sequence's
 tokens would depend on what it is batched with. Two ways qualify: a fixed number of equal
 chunks of the sequence's own length (``splits``, merged by a kernel of their own), and
-chunks of a fixed number of keys (``split_keys``: as many as the length needs, one chunk
-written by its block, more merged by the last block to finish). This times
+as many equal chunks as chunks of at most a fixed number of keys need (``split_keys``: one
+chunk written by its block, more merged by the last block to finish). This times
 ``decode_attention`` for GPT-2's 12 heads of 64 in float16 in a cache of 1,024 positions,
 at batch 1, 8, 64 and 256 and cached lengths 40 to 1,000, for each split and block width,
 in a CUDA graph (benchmarks/common.py time_in_graph: back-to-back launches, as in the

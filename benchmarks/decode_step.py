@@ -156,7 +156,7 @@ def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, in
     roles, li = [], 0
     for launch in plan:
         name = _kernel_name(launch)
-        if name in ("linear_kernel", "linear_mma_kernel"):
+        if name in ("linear_kernel", "linear_mma_kernel", "linear_mma_ahead_kernel"):
             N, Kd = (int(a) for a in (launch.args[-2:] if name == "linear_kernel" else launch.args[-7:-5]))
             role = "lm_head" if N == cfg.vocab_size else layer[li % 4]
             li += role != "lm_head"
@@ -173,6 +173,8 @@ def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, in
             roles.append(("embedding", 3 * batch * C * s))
         else:
             roles.append((name.replace("_kernel", ""), 0))
+    if li != 4 * cfg.n_layer:  # a product kernel this function does not know would shift the roles
+        raise RuntimeError(f"{li} products in the step's blocks, expected {4 * cfg.n_layer}")
     return roles
 
 

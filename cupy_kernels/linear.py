@@ -312,7 +312,9 @@ def _mma_m_tiles(N: int, nt: int, logits: bool, sms: int) -> int:
     weight (grids of many waves) at 8 n-tiles, where every block reads its 64 rows of x from
     L2 for one tile of W: two tiles halve those reads. GPT-2 small's LM head at B = 64 in the
     decode step on the H100 (CUPTI trace, graph + PDL): 71 against 77 us. (The step's other
-    products, in one or two waves, would lose half their blocks.)"""
+    products, in one or two waves, would lose half their blocks. A persistent LM head, one
+    block an SM staging its rows of x once and walking the tiles in two warp groups, took 75.8
+    against 71.8 us at B = 64 in the step's plain graph.)"""
     return 2 if logits and nt == MMA_TILES[-1] and _build.cdiv(N, 16) >= MMA_WIDE_BLOCKS * sms else 1
 
 
@@ -368,7 +370,10 @@ def _mma_ahead(B: int, N: int, K: int, nt: int, u: int, kw: int, xin: int, mt: i
     GPT-2 XL's MLP down (25 chunks a warp at U = 8) 12.00 / 11.76, GPT-2 small's (12 chunks)
     4.23 / 3.98; in the decode step, XL at B = 1 1934 / 1917 and 1909 / 1897, at B = 8 2348 /
     2190 and 2341 / 2246, but GPT-2 small at B = 1 249 / 258 and 247 / 256 (small's MLP down
-    has one and a half batches a warp: not taken)."""
+    has one and a half batches a warp: not taken). (Spreading a tile's warps over the blocks of
+    a thread block cluster instead, meeting in distributed shared memory with the same bits,
+    lost: GPT-2 small's attention projection 2.27 / 2.31 us with 2 / 4 blocks against 1.61, XL's
+    MLP down 12.56 / 11.97 against 11.97; the step at B = 1 252-255 against 247-249 us.)"""
     able = xin == X_PLAIN and nt == 1 and mt == 1 and own_out and epi in ("store", "gelu", "residual")
     if ahead is not None:
         if ahead and not able:

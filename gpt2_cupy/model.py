@@ -54,7 +54,9 @@ PLANS = 8
 # 384 / 448 / 512 keys (the step with PDL, us, two runs): batch 1 with 264 keys 256-246 / 247-248
 # / 248-248, 900 keys 292-293 / 294-296 / 306-306; batch 64 with 264 keys 670-676 / 673-674 /
 # 655-656, 520 903-907 / 905-907 / 897-899, 900 1185-1188 / 1184-1193 / 1190-1191; 512 new
-# tokens at batch 64 90.8k-91.4k / 89.4k-91.7k / 94.5k-94.6k tok/s.
+# tokens at batch 64 90.8k-91.4k / 89.4k-91.7k / 94.5k-94.6k tok/s; the 1,000-prompt workload
+# (benchmarks/e2e.py) with 64 slots 59.9k, 55.6k / 56.4k, 52.0k / 60.9k, 56.6k (the two runs of
+# each in the order 384, 512, 448, 384, 512, 448: the spread is the runs').
 DECODE_SPLIT_KEYS = 512
 
 # dtype names -> (numpy dtype, torch dtype name)

@@ -6,7 +6,7 @@
 //
 // Per block of the model (x the residual stream, row statistics as linear.cu leaves them):
 //   qkv   = LN_1(x) Wqkv^T + b       keys and values into the cache at positions[0]
-//   att   = attention of q over the cache, in `splits` chunks of chunk_keys keys (decode_attention.cuh)
+//   att   = attention of q over the cache, in equal chunks of at most chunk_keys keys (decode_attention.cuh)
 //   x    += merge(att) Wo^T + bo      (the last split of a head to finish merges its chunks)
 //   f     = gelu(LN_2(x) Wfc^T + bfc)
 //   x    += f Wp^T + bp
