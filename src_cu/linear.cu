@@ -40,8 +40,9 @@
 // Specializations: linear_kernel: T in {float, __half, __nv_bfloat16} x OutT in {T, float}
 // x VEC (1, and 4 for float) x (RW, U) tiles x BR in {1, 4} x LN x EPI; linear_mma_kernel:
 // T in {__half, __nv_bfloat16} x OutT x NT n-tiles x U x XIN x EPI x MT m-tiles (2: float
-// logits at NT = 8); ln_rows_kernel: T (cupy_kernels/linear.py, where each launch shape is
-// chosen, with the measurements behind it).
+// logits at NT = 8); linear_mma_ahead_kernel: T x U x EPI (store, GELU, residual);
+// ln_rows_kernel: T (cupy_kernels/linear.py, where each launch shape is chosen, with the
+// measurements behind it).
 // Wrapper: cupy_kernels/linear.py   Tests: tests/test_kernels_gpu.py
 // Benchmark: benchmarks/decode_step.py (every GPT-2 weight shape, each tile)
 #include "common.cuh"
@@ -764,9 +765,9 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
 }
 
 // One n-tile (B <= 8) with W a batch ahead, for products of no more tiles than SMs and rows of
-// several batches a warp (GPT-2's MLP down, K = 4C): a block an SM whatever its registers, so
-// each warp may keep two batches of W in flight (the one-block-an-SM kernel's measurements are
-// in the wrapper's _mma_ahead).
+// two or more batches a warp (the MLP down of GPT-2 medium to XL, K = 4C): a block an SM
+// whatever its registers (186 at U = 8), so each warp keeps two batches of W in flight (the
+// measurements are beside the wrapper's _mma_ahead).
 template <typename T, typename OutT, int U, int EPI>
 __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, 1) linear_mma_ahead_kernel(LINEAR_MMA_PARAMS) {
     linear_mma<T, OutT, 1, U, X_PLAIN, EPI, 1, true>(LINEAR_MMA_ARGS);
