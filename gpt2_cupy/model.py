@@ -51,7 +51,7 @@ PLANS = 8
 # GPT-2's 1,024 positions, two past it. The whole step (H100, float16, CUDA graph with PDL,
 # 264 cached keys, against 3 equal splits in the same run): GPT-2 small at batch 1 249 / 251
 # us, 64 654 / 702, 256 2048 / 2192; GPT-2 XL at batch 1 1923 / 1916. Equal chunks of at most
-# 384 / 448 / 512 keys (the step with PDL, us, two runs): batch 1 with 264 keys 256-246 / 247-248
+# 384 / 448 / 512 keys (the step with PDL, us, two runs): batch 1 with 264 keys 246-256 / 247-248
 # / 248-248, 900 keys 292-293 / 294-296 / 306-306; batch 64 with 264 keys 670-676 / 673-674 /
 # 655-656, 520 903-907 / 905-907 / 897-899, 900 1185-1188 / 1184-1193 / 1190-1191; 512 new
 # tokens at batch 64 90.8k-91.4k / 89.4k-91.7k / 94.5k-94.6k tok/s; the 1,000-prompt workload
@@ -412,12 +412,12 @@ class GPT2:
         cfg = self.config
         B, C, H, D, eps = buf.x.shape[0], cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
         qkv = buf.qkv.reshape(B, 1, 3, H, D)  # view: [B, T=1, 3, H, D]
-        # one chunk length and block width for every batch and cache bucket, so that a
+        # one chunk rule and block width for every batch and cache bucket, so that a
         # sequence's numbers (and tokens) depend neither on what it is batched with nor on the
         # bucket: the block width decode_attention picks for one sequence in the model's full
-        # length, chunks of DECODE_SPLIT_KEYS keys merged by the last block of a head (three
-        # equal splits merged by a second kernel, before: GPT-2 small at B = 1 2.8 + 1.7 us a
-        # layer in a CUDA graph, 5.0 us with the last-block merge; decode_step.py, H100; merged
+        # length, equal chunks of at most DECODE_SPLIT_KEYS keys merged by the last block of a
+        # head (three equal splits merged by a second kernel, before: GPT-2 small at B = 1 2.8 +
+        # 1.7 us a layer in a CUDA graph, 5.0 us with the last-block merge; decode_step.py, H100; merged
         # instead by every block of the attention projection in its prologue, a thread per
         # column in turn: 362 / 788 us a step at B = 1 / 8, against 255 / 296)
         split_keys, threads = self._decode_attention_shape(cache)

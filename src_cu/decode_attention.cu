@@ -57,10 +57,10 @@ __global__ void __launch_bounds__(THREADS)
     const int chunk = chunk_length(len, splits, chunk_keys, TILE);
     // splits past the last key hold nothing: leave them out
     const int used = chunk > 0 ? min(splits, (len + chunk - 1) / chunk) : 0;  // len 0: zeros
-    // chunks of chunk_keys keys: one chunk was written to out by attend; a chunk past the
+    // chunk_keys > 0: a sequence of one chunk was written to out by attend; a chunk past the
     // sequence's last key did nothing and is not counted
     if (chunk_keys > 0 && (used <= 1 || static_cast<int>(blockIdx.z) >= used)) return;
-    // chunks of chunk_keys keys: the `used` blocks that ran count; equal parts: every split
+    // chunk_keys > 0: the `used` blocks that ran count; equal parts: every split
     const int arrivals = chunk_keys > 0 ? used : splits;
     const int h0 = blockIdx.x / (H / H_kv / QPB) * (H / H_kv) + (blockIdx.x % (H / H_kv / QPB)) * QPB;
 
