@@ -204,6 +204,9 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     'kernel' (a second small kernel; inside a replayed CUDA graph, where a launch costs
     less, measured 0.4-0.5 us faster per call on an H100 for B=1, S=1024 with GPT-2's heads
     and with 32 x hd128; slower outside one, where the second launch is not hidden).
+    Replayed with programmatic dependent launch (a recorded decode step), the kernel requests
+    each sequence's first keys before the kernel ahead of it has finished: that kernel may
+    append row len - 1 (read again once it has), not rewrite earlier rows.
     Returns [B, H, D] in q's dtype.
     """
     q = _checks.float_array(q, "q", ndim=3, contiguous=False)

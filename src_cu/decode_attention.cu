@@ -16,7 +16,11 @@
 // with xor-shuffles and updates an online softmax (one rescale per UNROLL keys). The groups
 // of a warp combine their results with shuffles, the warps theirs through shared memory.
 // The first chunk's first trip of rows is requested before the sequence length arrives
-// (it starts at row 0 whatever the length), so an unsplit short cache waits for memory once.
+// (it starts at row 0 whatever the length), so an unsplit short cache waits for memory once,
+// and, under programmatic dependent launch, before the kernel ahead (the q|k|v product that
+// appends the step's row) has finished: those rows stream in during its last blocks. The
+// appended row, len - 1, is read again (from L2) once the length is known; the rows before it
+// must be older than the kernel ahead (attend's PRE_WAIT).
 // Split: blockIdx.z takes one chunk of the sequence: one of gridDim.z equal chunks (multiples
 // of the block's key tile), or, with chunk_keys > 0, one of ceil(len / chunk_keys) equal chunks
 // of at most about chunk_keys keys (a sequence of len keys uses that many of the gridDim.z
@@ -45,10 +49,9 @@ __global__ void __launch_bounds__(THREADS)
                             const float* __restrict__ v_scale, const int* __restrict__ seq_lens,
                             const float* __restrict__ alibi, int H, int H_kv, int S_max, long long q_sb,
                             float scale, int chunk_keys) {
-    griddep_wait();  // programmatic dependent launch: the previous kernel's writes are visible
-    griddep_launch_dependents();
     const int b = blockIdx.y, splits = gridDim.z;
-    attend<T, KT, D, QPB, THREADS>(out, part_o, part_lse, q, k_cache, v_cache, k_scale, v_scale, seq_lens, alibi, H,
+    // (attend waits for the previous kernel once the first trip's rows are requested)
+    attend<T, KT, D, QPB, THREADS, 1, false, false, true>(out, part_o, part_lse, q, k_cache, v_cache, k_scale, v_scale, seq_lens, alibi, H,
                                    H_kv, S_max, q_sb, scale, blockIdx.x, b, blockIdx.z, splits, gridDim.y,
                                    chunk_keys);
     if (splits == 1 || counters == nullptr) return;

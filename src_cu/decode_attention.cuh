@@ -98,6 +98,23 @@ template <typename KT, int GROUPS, int UNROLL, bool STREAMING> struct Trip {
         }
     }
 
+    // Load row `row` of a trip loaded from row 0 again, from L2 (ld.global.cg: a line of it
+    // that the first load brought into L1 may be stale), where this group holds it.
+    __device__ __forceinline__ void reload(const KT* kc, const KT* vc, const float* ks, const float* vs, int D,
+                                           int group, int row) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (u * GROUPS + group == row) {
+                k[u].load_l2(kc + static_cast<long long>(row) * D);
+                v[u].load_l2(vc + static_cast<long long>(row) * D);
+                if constexpr (KvFormat<KT>::QUANTIZED) {
+                    k_scale[u] = __ldcg(ks + row);
+                    v_scale[u] = __ldcg(vs + row);
+                }
+            }
+        }
+    }
+
     // Zero the rows at or past `end` of a trip loaded from row 0 before `end` was known.
     __device__ __forceinline__ void mask(int group, int end) {
 #pragma unroll
@@ -129,8 +146,13 @@ __device__ __forceinline__ int chunk_length(int len, int splits, int chunk_keys,
 // PARTS > 1: a block of PARTS x THREADS threads runs PARTS items at once; thread tid of part
 // `part` (tid = threadIdx.x % THREADS), each part with shared arrays and a named barrier of its
 // own. The arithmetic is the same for every PARTS. Q_THROUGH_L2: see load_query.
+// PRE_WAIT: the first trip's rows are requested before griddep_wait(), which attend calls
+// (programmatic dependent launch: they stream in while the kernel before finishes). Only the
+// row the kernel before appended, len - 1, may be new: it is loaded again once the length is
+// known. Every other row below the length must have been written before that kernel started
+// (the decode step appends one row a step, each in a launch of its own).
 template <typename T, typename KT, int D, int QPB, int THREADS, int PARTS = 1, bool Q_THROUGH_L2 = false,
-          bool PARTIALS = false>
+          bool PARTIALS = false, bool PRE_WAIT = false>
 __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse,
                                        const T* __restrict__ q, const KT* __restrict__ k_cache,
                                        const KT* __restrict__ v_cache, const float* __restrict__ k_scale,
@@ -196,6 +218,10 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
     Rows cur, next;
     const bool early = split == 0;
     cur.load(kc, vc, ks, vs, D, group, 0, early ? min(TILE, S_max) : 0);
+    if constexpr (PRE_WAIT) {
+        griddep_wait();  // q, seq_lens and the appended row: the previous kernel's work
+        griddep_launch_dependents();
+    }
 
     const int len = seq_lens[b];  // (written once a step, before any block of the step reads it)
     const int chunk = chunk_length(len, splits, chunk_keys, TILE);
@@ -278,6 +304,9 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
     // row registers), so a block streams instead of waiting for memory once per trip.
     int base = s_begin;
     if (early) {  // the first trip's rows are here
+        if constexpr (PRE_WAIT) {
+            if (len - 1 < min(TILE, S_max)) cur.reload(kc, vc, ks, vs, D, group, len - 1);
+        }
         cur.mask(group, s_end);
     } else if (base < s_end) {
         cur.load(kc, vc, ks, vs, D, group, base, s_end);

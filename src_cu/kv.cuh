@@ -46,6 +46,8 @@ template <typename KT> struct KvVec {
     __device__ __forceinline__ void load(const KT* p) { raw = *reinterpret_cast<const uint4*>(p); }
     // the same with the evict-first hint (ld.global.cs): rows read once and not kept
     __device__ __forceinline__ void load_streaming(const KT* p) { raw = __ldcs(reinterpret_cast<const uint4*>(p)); }
+    // through L2 only (ld.global.cg)
+    __device__ __forceinline__ void load_l2(const KT* p) { raw = __ldcg(reinterpret_cast<const uint4*>(p)); }
     __device__ __forceinline__ void zero() { raw = make_uint4(0u, 0u, 0u, 0u); }
 
     __device__ __forceinline__ void unpack(float (&out)[N]) const {
