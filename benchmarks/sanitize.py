@@ -93,8 +93,8 @@ def main():
                 K.linear(x, r(3 * H * D, Kd, dtype=dtype), ln=ln, kv_cache={
                     "k_cache": kc, "v_cache": vc, "positions": cp.arange(B, dtype=np.int32) % 9,
                     "seq_lens": cp.zeros(B, dtype=np.int32)})
-        if dtype != np.float32:  # float logits of a tall weight past 32 rows: two m-tiles a block, the
-            import importlib     # last block's second one partly past N
+        if dtype != np.float32:  # float logits of a tall weight for 40 rows: W streamed through shared memory
+            import importlib     # (by default), and two m-tiles a block (tile=8), the last one partly past N
 
             lin = importlib.import_module("cupy_kernels.linear")
             N = 16 * lin.MMA_WIDE_BLOCKS * _build.sm_count(cp.cuda.Device().id) + 5
@@ -104,8 +104,10 @@ def main():
             stats = cp.empty((40, 5, 2), np.float32)
             K.linear(r(40, 40, dtype=dtype), r(72, 40, dtype=dtype), residual=x, out=x, stats_out=stats)
             u, c = r(N, dtype=np.float32), r(N, dtype=np.float32)
-            K.linear(x, wt, ln_fold=(stats, u, c, 1e-5), out_dtype=np.float32)
-            K.linear_argmax(x, wt, ln_fold=(stats, u, c, 1e-5))
+            for tile in (None, 8):
+                K.linear(x, wt, ln_fold=(stats, u, c, 1e-5), out_dtype=np.float32, tile=tile)
+                K.linear_argmax(x, wt, ln_fold=(stats, u, c, 1e-5), tile=tile, advance=cp.zeros(40, np.int32))
+            K.linear(x, wt, out_dtype=np.float32, tile=8)
         if dtype != np.float32:  # the prefill's products: ragged M, N and K, odd N, every tile shape
             from cupy_kernels.gemm import TILES
 

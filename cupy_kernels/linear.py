@@ -63,6 +63,13 @@ LN_PROLOGUE_ROWS = 16
 # 8.08, folded at 80 registers, its 400 blocks then in two waves: one n-tile now keeps 64.)
 LN_PROLOGUE_WAVE = 4
 _LN_ROWS_WARPS = 4
+# linear_mma_stream_kernel: tiles of W in its shared-memory ring (STREAM_STAGES - 1 in flight
+# while one is used), rows of x a block
+STREAM_STAGES = 3
+STREAM_ROWS = 64
+STREAM_MIN_ROWS = 17  # (the kernel computes all 64 rows: at 16, linear_mma_kernel's 2 n-tiles measured as fast)
+STREAM_GROUPS = 4  # warp groups of a block (each KW warps on 2 of the 8 n-tiles): blocks of at most 16 warps
+_STREAM_STATIC_SMEM = 1024  # its static shared memory: the rows' mean, rstd and best (value, index)
 
 
 def _name(c_type: str, out_type: str, vec: int, tile: tuple[int, int], br: int, ln: bool, epi: str) -> str:
@@ -83,6 +90,10 @@ def _mma_name(c_type: str, out_type: str, nt: int, u: int, xin: int, epi: str, m
 
 def _mma_ahead_name(c_type: str, u: int, epi: str) -> str:
     return f"linear_mma_ahead_kernel<{c_type}, {c_type}, {u}, {_EPI[epi]}>"
+
+
+def _mma_stream_name(c_type: str, xin: int, epi: str) -> str:
+    return f"linear_mma_stream_kernel<{c_type}, float, {xin}, {_EPI[epi]}, {STREAM_STAGES}>"
 
 
 def _ln_rows_name(c_type: str) -> str:
@@ -125,6 +136,9 @@ _build.declare(
     ]
     + [  # one n-tile with W a batch ahead, a block an SM (_mma_ahead)
         _mma_ahead_name(c, u, epi) for c in _HALVES for u in _MMA_BATCH[1] for epi in ("store", "gelu", "residual")
+    ]
+    + [  # W streamed through shared memory: float logits of tall weights for 17 to 64 rows (_mma_stream)
+        _mma_stream_name(c, xin, epi) for c in _HALVES for xin in (X_PLAIN, X_LN_FOLD) for epi in ("store", "argmax")
     ]
     + [_ln_rows_name(c) for c in _HALVES],
     pdl=True,
@@ -383,14 +397,61 @@ def _mma_ahead(B: int, N: int, K: int, nt: int, u: int, kw: int, xin: int, mt: i
     return able and _build.cdiv(N, 16) * _build.cdiv(B, 8) <= sms and _build.cdiv(K, 32) >= 2 * u * kw
 
 
+def _stream_smem(K: int, kw: int, fold: bool) -> int:
+    """Dynamic shared memory of linear_mma_stream_kernel: the partial tiles (or first the rows'
+    statistics), STREAM_ROWS rows of x and the ring of tiles of W, at linear.cu's row stride."""
+    stride = _build.cdiv(K, 64) * 64 + 32
+    red = max(kw * STREAM_ROWS * MMA_RED_STRIDE, STREAM_ROWS * _build.cdiv(K, STATS_COLS) * 2 if fold else 0) * 4
+    return red + (STREAM_ROWS + STREAM_STAGES * 16) * stride * 2 + STREAM_STAGES * 2 * 16 * 4  # (+ c and u a tile)
+
+
+def _mma_stream(B: int, N: int, K: int, tile, xin: int, logits: bool, kw: int, sms: int, smem_limit: int,
+                consts=()) -> bool:
+    """Whether the product runs as linear_mma_stream_kernel: float logits (stored or reduced to
+    the argmax) of a tall weight (as _mma_m_tiles) for STREAM_MIN_ROWS to STREAM_ROWS rows of x,
+    plain or folded, with no n-tiles asked for, where its shared memory fits (GPT-2 small's K =
+    768: 204 KB of the H100's 227; wider rows take linear_mma_kernel) and its bias or folded
+    constants are 16-byte aligned. Never changes the numbers.
+    linear_mma_kernel runs such a product in blocks of 32 rows of W that each read the 64 rows
+    of x (and their statistics) from L2 and wait for memory between their phases (H100, GPT-2
+    small's LM head at B = 64 in the step: 31.6% of the DRAM bandwidth, 160 registers, 3 blocks
+    an SM; ncu on the step's launches). Here one block an SM stages them once and keeps two tiles of W in flight
+    throughout. Measured on the H100 (float16, the decode step in a graph with PDL at 264
+    cached keys, us, linear_mma_kernel / this): B = 64 656 / 633 (gen B = 64: 93.9k / 97.2k
+    tok/s), B = 32 481 / 469, B = 16 374 / 376 (64 rows computed for 16: not taken). Two warp
+    groups of 4 n-tiles and a thread an output in the epilogue first took 679 us at B = 64: the
+    block was issue-bound (8 warps an SM, 0.38 instructions a cycle a scheduler); four groups,
+    one cp.async a chunk a thread with no index division, and four outputs a thread from
+    16-byte reads of the partial tiles brought it to 633."""
+    return (logits and tile is None and xin in (X_PLAIN, X_LN_FOLD) and STREAM_MIN_ROWS <= B <= STREAM_ROWS
+            and _build.cdiv(N, 16) >= MMA_WIDE_BLOCKS * sms and STREAM_GROUPS * kw <= 2 * MMA_MAX_WARPS
+            and _stream_smem(K, kw, xin == X_LN_FOLD) + _STREAM_STATIC_SMEM <= smem_limit
+            and all(a.data.ptr % 16 == 0 for a in consts if a is not None))  # (bias, u, c: 16-byte copies)
+
+
 def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats, ahead=None):
     fold, stats_out = stats
     sms = _build.sm_count(cupy.cuda.Device().id)
+    logits = out_type == "float" and epi in ("store", "argmax")
     nt, u, kw, xin, smem, xs_stride, mt = _mma_plan(B, N, K, ln is not None, tile, warps, sms, _build.smem_optin(),
-                                                    fold=fold is not None,
-                                                    logits=out_type == "float" and epi in ("store", "argmax"))
+                                                    fold=fold is not None, logits=logits)
     if ln is not None and xin == X_PLAIN:  # normalize once, then the plain product (the same bits)
         x, ln = ln_rows(x, ln), None
+    null = 0
+    if _mma_stream(B, N, K, tile, xin, logits, kw, sms, _build.smem_optin(),
+                   (bias,) if fold is None else (fold[1], fold[2])):
+        kern = _build.kernel(_SRC, _mma_stream_name(_build.ctype(x.dtype), xin, epi))
+        smem = _stream_smem(K, kw, xin == X_LN_FOLD)
+        _build.set_smem(kern, smem)
+        blocks = min(_build.cdiv(N, 16), sms)
+        if part is not None:
+            part = part(blocks)
+        ln_args = ln if fold is None else (null, null, fold[3])
+        kern((blocks, _build.cdiv(B, STREAM_ROWS)), (32 * STREAM_GROUPS * kw,),
+             _args(out, x, weight, bias, ln_args, res, part, kv, B, N, K)
+             + (i32(_build.cdiv(K, 64) * 64 + 32), null if fold is None else fold[0], null,
+                null if fold is None else fold[1], null if fold is None else fold[2]), shared_mem=smem)
+        return blocks, part
     if _mma_ahead(B, N, K, nt, u, kw, xin, mt, epi, out_type == _build.ctype(x.dtype), sms, ahead):
         kern = _build.kernel(_SRC, _mma_ahead_name(_build.ctype(x.dtype), u, epi))
     else:
@@ -399,7 +460,6 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
     blocks = _build.cdiv(N, 16 * mt)
     if part is not None:
         part = part(blocks)
-    null = 0
     ln_args = ln if fold is None else (null, null, fold[3])  # (ln_fold's eps where ln's goes)
     kern((blocks, _build.cdiv(B, 8 * nt)), (32 * kw,),
          _args(out, x, weight, bias, ln_args, res, part, kv, B, N, K)
@@ -577,17 +637,21 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
 
 
 def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, out=None, tile=None,
-                  warps=None) -> cupy.ndarray:
+                  warps=None, advance=None) -> cupy.ndarray:
     """Greedy next tokens: int32 [B], the first index of each row's largest value of
     ``norm(x) @ weight.T + bias`` (arguments as :func:`linear`), without a second pass
     over the logits: each block of the product reduces its own outputs, then one small
     kernel reduces the blocks' results. ``logits`` (float32 [B, N]) receives the logits
-    when given; otherwise they are never written.
+    when given; otherwise they are never written. ``advance`` (int32 [B], optional): also
+    ``advance += 1`` once the tokens are written (:func:`kv_advance` of a decode step's
+    positions, in the same launch).
     """
     x, weight, bias, ln, B, N, K = _prepare(x, weight, bias, ln)
     if logits is not None:
         logits = _checks.output(logits, "logits", (B, N), numpy.float32)
     out = _checks.output(out, "out", (B,), numpy.int32)
+    if advance is not None:
+        advance = _checks.output(advance, "advance", (B,), numpy.int32)
     stats = _stats_args(ln_fold, B, N, K, bias, ln)
     if B == 0:
         return out
@@ -597,5 +661,5 @@ def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, o
         cupy.empty((B, blocks), dtype=numpy.float32), cupy.empty((B, blocks), dtype=numpy.int32)),
         None, "float", "argmax", B, N, K, tile, warps, stats)
     kern = _build.kernel(_ARGMAX_SRC, _ARGMAX_NAME)
-    kern((B,), (_ARGMAX_THREADS,), (out, part[0], part[1], i32(blocks)))
+    kern((B,), (_ARGMAX_THREADS,), (out, part[0], part[1], i32(blocks), 0 if advance is None else advance))
     return out

@@ -102,6 +102,10 @@ class Session:
             with _build.recording() as self.head:
                 model.head(self.buf, sampling)
             self.step = model.record_step(self.cache, self.buf, sampling)
+        # (The step's rows split into groups replayed on parallel branches of one graph, each
+        # group reading every weight, measured on the H100, GPT-2 small float16, 264 cached
+        # keys, us a step, one group / two / four: batch 8 297 / 348, batch 64 658 / 697 / 882,
+        # batch 256 2073 / 1930 / 2075; GPT-2 XL at 64 6016 / 5826. Not used.)
         self.graph = None
         if cuda_graph:
             self.stream.synchronize()

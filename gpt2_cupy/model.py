@@ -380,20 +380,23 @@ class GPT2:
     # ---------------------------------------------------------------------------------
     # generation
     # ---------------------------------------------------------------------------------
-    def head(self, buf, sampling, stats=None) -> None:
+    def head(self, buf, sampling, stats=None, positions=None) -> None:
         """The LM head on the residual stream ``buf.x`` [B, C]: the final LayerNorm fused
         into the product (in the epilogue, from x's row statistics ``stats``, when given),
         then the next tokens into ``buf.tokens``. Greedy (sampling None) reduces the logits
         inside the product (no logits written); sampling is a dict of
-        :func:`cupy_kernels.sample`'s settings and writes ``buf.logits`` first."""
+        :func:`cupy_kernels.sample`'s settings and writes ``buf.logits`` first.
+        ``positions`` (a decode step's cache positions): moved on by one after the tokens."""
         eps = self.config.layer_norm_epsilon
         ln = dict(ln_fold=(stats, self.head_u, self.head_c, eps)) if stats is not None else dict(
             bias=self.lm_head_b, ln=(self.ln_f_w, self.ln_f_b, eps))
-        if sampling is None:
-            K.linear_argmax(buf.x, self.lm_head, out=buf.tokens, **ln)
+        if sampling is None:  # (the argmax's last launch moves the positions on)
+            K.linear_argmax(buf.x, self.lm_head, out=buf.tokens, advance=positions, **ln)
         else:
             K.linear(buf.x, self.lm_head, out_dtype=numpy.float32, out=buf.logits, **ln)
             K.sample(buf.logits, offset=buf.offsets, out=buf.tokens, **sampling)
+            if positions is not None:
+                K.kv_advance(positions)
 
     def record_step(self, cache: KVCache, buf, sampling) -> _build.Plan:
         """The decode step as a launch plan over preallocated buffers (``buf``: tokens
@@ -450,8 +453,7 @@ class GPT2:
                 K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f,
                          **normalized(blk.fc_b, (blk.ln_2_w, blk.ln_2_b, eps), blk.fc_u, blk.fc_c, stats is not None))
                 K.linear(buf.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=buf.x, out=buf.x, stats_out=stats)
-            self.head(buf, sampling, stats)
-            K.kv_advance(cache.positions)
+            self.head(buf, sampling, stats, positions=cache.positions)
         return plan
 
     def _decode_attention_shape(self, cache: KVCache) -> tuple[int, int]:

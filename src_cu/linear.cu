@@ -2,6 +2,8 @@
 // products and the LM head, with the neighbouring element-wise work fused in. Two kernels:
 // linear_kernel on CUDA cores (float32, and 16-bit rows that are not 16-byte vectors), and
 // linear_mma_kernel on tensor cores (float16 / bfloat16), after the first; same epilogues.
+// Beside the second, two variants with its bits: linear_mma_ahead_kernel (W a batch ahead)
+// and linear_mma_stream_kernel (the LM head of 17 to 64 rows, W through shared memory).
 //
 //   xn        = LN ? layernorm(x; ln_w, ln_b, eps) rounded to T : x          (prologue; on tensor
 //               cores also folded: W = W0 diag(ln_w), the rows' mean / rstd from the row
@@ -41,6 +43,7 @@
 // x VEC (1, and 4 for float) x (RW, U) tiles x BR in {1, 4} x LN x EPI; linear_mma_kernel:
 // T in {__half, __nv_bfloat16} x OutT x NT n-tiles x U x XIN x EPI x MT m-tiles (2: float
 // logits at NT = 8); linear_mma_ahead_kernel: T x U x EPI (store, GELU, residual);
+// linear_mma_stream_kernel: T x XIN (plain, folded) x EPI (store, argmax), float logits;
 // ln_rows_kernel: T (cupy_kernels/linear.py, where each launch shape is chosen, with the
 // measurements behind it).
 // Wrapper: cupy_kernels/linear.py   Tests: tests/test_kernels_gpu.py
@@ -83,7 +86,14 @@ __device__ __forceinline__ void load_batch(WChunk<T, VEC> (&w)[RW][U], const T* 
         const int k = k0 + (u * 32 + lane) * VEC;
 #pragma unroll
         for (int r = 0; r < RW; ++r) {
-            if (n0 + r < N && k < K) {
+            const bool ok = n0 + r < N && k < K;
+            if constexpr (VEC == 1) {
+                // the element loaded whatever the bounds, from inside W (row 0) when out of
+                // them, then dropped: compute-sanitizer saw the guarded __ldg of rows past N
+                // read past W here (the second pass of 5 rows of 781 features, H100)
+                w[r][u].load(W + (ok ? static_cast<long long>(n0 + r) * K + k : 0));
+                if (!ok) w[r][u].zero();
+            } else if (ok) {
                 w[r][u].load(W + static_cast<long long>(n0 + r) * K + k);
             } else {
                 w[r][u].zero();
@@ -487,6 +497,25 @@ enum XInput : int { X_PLAIN = 0, X_LN = 1, X_LN_FOLD = 2 };
 // 691 us, XL at 64 7541 / 6308.
 template <int NT> constexpr bool W_AHEAD() { return NT >= 2; }
 
+// The mean and rstd of a block's nb rows of x from their statistics in shared memory (sets:
+// [nb][n_sets]), 4 rows a warp at once (row_stats), warp w of `warps` taking rows 4w, 4w + 4
+// warps, ...; every lane of a warp takes each trip (the shuffles).
+__device__ __forceinline__ void rows_mean_rstd(float* s_mean, float* s_rstd, const float2* sets, int n_sets, int nb,
+                                               int K, float eps, int warp, int warps, int lane) {
+    constexpr int RPW = 32 / ROW_LANES;
+    const int sub = lane % ROW_LANES;
+#pragma unroll 1
+    for (int b1 = warp * RPW; b1 < nb; b1 += warps * RPW) {
+        const int bl = min(b1 + lane / ROW_LANES, nb - 1);
+        float mean, m2;
+        row_stats(sets + bl * n_sets, n_sets, K, sub, mean, m2);
+        if (sub == 0 && b1 + lane / ROW_LANES < nb) {
+            s_mean[bl] = mean;
+            s_rstd[bl] = rsqrtf(__fadd_rn(__fdividef(m2, static_cast<float>(K)), eps));
+        }
+    }
+}
+
 // Blocks an SM holds at once (registers per thread <= 65536 / (256 x this)). One n-tile: 4
 // (64 registers) for U <= 4 chunks a batch, 2 (128) for U = 8, 3 (80) with the LayerNorm
 // prologue (ptxas spilled it at 64); with the folded LayerNorm 2 for the argmax (8 bytes
@@ -660,18 +689,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
         const int n_sets = (K + 15) / 16;
         cp_async_wait<0>();
         __syncthreads();  // every thread's sets have landed
-        constexpr int RPW = 32 / ROW_LANES;
-        const int sub = lane % ROW_LANES;
-#pragma unroll 1
-        for (int b1 = warp * RPW; b1 < nb; b1 += KW * RPW) {  // (every lane of the warp takes each trip)
-            const int bl = min(b1 + lane / ROW_LANES, nb - 1);
-            float mean, m2;
-            row_stats(sets + bl * n_sets, n_sets, K, sub, mean, m2);
-            if (sub == 0 && b1 + lane / ROW_LANES < nb) {
-                s_mean[bl] = mean;
-                s_rstd[bl] = rsqrtf(__fadd_rn(__fdividef(m2, static_cast<float>(K)), eps));
-            }
-        }
+        rows_mean_rstd(s_mean, s_rstd, sets, n_sets, nb, K, eps, warp, KW, lane);
         __syncthreads();  // the sets are read: their shared memory takes the partial tiles
     }
     // partial tiles to shared memory: c[0], c[1] are row g, columns 2t, 2t+1; c[2], c[3] row g + 8
@@ -771,6 +789,199 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
 template <typename T, typename OutT, int U, int EPI>
 __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, 1) linear_mma_ahead_kernel(LINEAR_MMA_PARAMS) {
     linear_mma<T, OutT, 1, U, X_PLAIN, EPI, 1, true>(LINEAR_MMA_ARGS);
+}
+
+// The LM head of 17 to 64 rows of x (float logits stored, or reduced to the argmax), with W
+// streamed through shared memory: one block an SM walks the 16-row tiles of W blockIdx.x,
+// + gridDim.x, ... Each tile (and its 16 values of c and u, or of the bias) comes in by
+// cp.async into a ring of STAGES tiles, STAGES - 1 tiles ahead of the one in use (the first
+// ones before griddep_wait: W is never written), so the tile loads go on through every
+// tile's reduction and epilogue; the block's 64 rows of x (and their statistics, X_LN_FOLD)
+// come in once, after the wait. Four groups of KW warps: group i multiplies n-tiles 2i and
+// 2i + 1, warp w of a group takes chunks w, w + KW, ... of the tile's rows, reading from
+// shared memory the same 16-byte pieces of W and x that linear_mma_kernel's lanes load from
+// memory, into the same mma sequence; the warps' partial tiles are added in warp order and
+// the epilogue is linear_mma's (four outputs a thread): an output gets the bits it gets there
+// (and alone). The argmax keeps each row's best (value, index) over the block's tiles and
+// writes one partial a block. Shared memory: x and the ring at a row stride 64 bytes past a
+// multiple of 128 (a quarter warp's 16-byte reads of two rows fall in distinct banks), the
+// partial tiles (or first the statistics). The measurements are beside the wrapper's
+// _mma_stream.
+template <typename T, typename OutT, int XIN, int EPI, int STAGES>
+__global__ void __launch_bounds__(2 * MMA_MAX_WARPS * 32, 1) linear_mma_stream_kernel(LINEAR_MMA_PARAMS) {
+    static_assert(EPI == STORE || EPI == ARGMAX, "the LM head's epilogues");
+    static_assert(XIN == X_PLAIN || XIN == X_LN_FOLD, "x as it is, or with its LayerNorm folded");
+    constexpr int COLS = 64, GROUPS = 4, NTG = COLS / 8 / GROUPS, TM = 16;  // rows of x a block, warp groups,
+    extern __shared__ float4 smem4[];                                      // n-tiles a group, rows of W a tile
+    const int KW = blockDim.x / (32 * GROUPS);  // warps a group
+    const int n_sets = (K + 15) / 16;
+    const int red_floats = max(KW * COLS * RED_STRIDE, XIN == X_LN_FOLD ? COLS * n_sets * 2 : 0);
+    const int slot_elems = TM * xs_stride + 2 * TM * 4 / static_cast<int>(sizeof(T));  // + the tile's c and u (or bias)
+    float* red = reinterpret_cast<float*>(smem4);                   // [KW][COLS][RED_STRIDE] partial tiles
+    float2* sets = reinterpret_cast<float2*>(smem4);                // X_LN_FOLD: [COLS][n_sets], before red
+    T* xs = reinterpret_cast<T*>(red + red_floats);                 // [COLS][xs_stride] rows of x
+    T* ring = xs + COLS * xs_stride;                                // [STAGES] tiles of W: [TM][xs_stride], then
+                                                                    // c, u [TM] float (X_LN_FOLD) or bias [TM] T
+    __shared__ float s_mean[COLS], s_rstd[COLS];
+    __shared__ float s_best[COLS];  // ARGMAX: each row's largest value over the block's tiles so far, its index
+    __shared__ int s_best_n[COLS];
+    griddep_launch_dependents();
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int grp = warp / KW, kw = warp % KW;
+    const int b0 = blockIdx.y * COLS, nb = min(COLS, B - b0);
+    const int n_tiles = (N + TM - 1) / TM;
+    const int my_tiles = blockIdx.x < n_tiles ? (n_tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const int n_chunks = (K + 31) / 32;
+    const int my_chunks = kw < n_chunks ? (n_chunks - 1 - kw) / KW + 1 : 0;
+    const int vecs = K / 8;  // 16-byte pieces of a row
+
+    // tile i of this block, with its 16 values of c and u (or of the bias), into ring slot i % STAGES
+    // (rows past N: zeros). Group grp copies rows 4 grp .. 4 grp + 3, each warp the columns of its
+    // own chunks: lane (g, t) row 4 grp + g % 4 of every other chunk (from g / 4), its 8t .. 8t + 7.
+    const int copy_row = GROUPS == 4 ? 4 * grp + (g & 3) : 0;
+    static_assert(GROUPS == 4, "a group copies 4 of the tile's 16 rows");
+    auto issue_tile = [&](int i) {
+        if (i >= my_tiles) return;
+        const int m0 = (blockIdx.x + i * gridDim.x) * TM;
+        T* slot = ring + (i % STAGES) * slot_elems;
+        const bool in = m0 + copy_row < N;
+        const T* src = W + static_cast<long long>(in ? m0 + copy_row : 0) * K;
+        for (int j = g >> 2; j < my_chunks; j += 2) {
+            const int col = 32 * (kw + j * KW) + 8 * t;
+            cp_async_16(smem_addr(slot + copy_row * xs_stride + col), src + (col < K ? col : 0), in && col < K ? 16 : 0);
+        }
+        float* vals = reinterpret_cast<float*>(slot + TM * xs_stride);
+        if constexpr (XIN == X_LN_FOLD) {  // c then u: 4 floats a piece
+            if (threadIdx.x < 8) {
+                const int p = threadIdx.x % 4, n = m0 + 4 * p;
+                const float* src = (threadIdx.x < 4 ? fold_c : fold_u) + n;
+                cp_async_16(smem_addr(vals + (threadIdx.x / 4) * TM + 4 * p), n < N ? src : fold_c,
+                            4 * max(0, min(4, N - n)));
+            }
+        } else if (threadIdx.x < 2) {  // the bias as T: 8 a piece
+            const int n = m0 + 8 * threadIdx.x;
+            const bool in = bias != nullptr && n < N;
+            cp_async_16(smem_addr(reinterpret_cast<T*>(vals) + 8 * threadIdx.x), in ? bias + n : W,
+                        in ? min(8, N - n) * static_cast<int>(sizeof(T)) : 0);
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {  // before the wait: only W and its constants
+        issue_tile(i);
+        cp_async_commit();
+    }
+    griddep_wait();  // x and its statistics: the previous kernels' work
+    for (int e = threadIdx.x; e < COLS * vecs; e += blockDim.x) {
+        const int r = e / vecs, c = e % vecs;
+        const bool in = r < nb;
+        cp_async_16(smem_addr(xs + r * xs_stride + 8 * c), x + static_cast<long long>(in ? b0 + r : 0) * K + 8 * c,
+                    in ? 16 : 0);
+    }
+    if constexpr (XIN == X_LN_FOLD) {
+        const int n = nb * n_sets;
+        const float2* src = stats_in + static_cast<long long>(b0) * n_sets;
+        for (int i = 2 * threadIdx.x; i < n; i += 2 * blockDim.x) cp_async_16(smem_addr(sets + i), src + i, i + 1 < n ? 16 : 8);
+    }
+    cp_async_commit();
+    if (threadIdx.x < COLS) s_best[threadIdx.x] = -INFINITY, s_best_n[threadIdx.x] = -1;
+    cp_async_wait<0>();
+    __syncthreads();
+    if constexpr (XIN == X_LN_FOLD) {  // the rows' mean and rstd, once for all the block's tiles
+        rows_mean_rstd(s_mean, s_rstd, sets, n_sets, nb, K, eps, warp, GROUPS * KW, lane);
+        __syncthreads();  // the sets are read: their shared memory takes the partial tiles
+    }
+
+#pragma unroll 1
+    for (int i = 0; i < my_tiles; ++i) {
+        issue_tile(i + STAGES - 1);  // into the slot tile i - 1 used (read before the last barrier)
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();  // this thread's pieces of tile i have landed
+        __syncthreads();              // ... and every thread's
+        const int m0 = (blockIdx.x + i * gridDim.x) * TM;
+        const T* wt = ring + (i % STAGES) * slot_elems;
+        float acc[NTG][4];
+#pragma unroll
+        for (int n = 0; n < NTG; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#pragma unroll 2
+        for (int j = 0; j < my_chunks; ++j) {
+            const int col = 32 * (kw + j * KW) + 8 * t;
+            const bool ok = col < K;
+            const uint4 ra = ok ? *reinterpret_cast<const uint4*>(wt + g * xs_stride + col) : make_uint4(0, 0, 0, 0);
+            const uint4 rb = ok ? *reinterpret_cast<const uint4*>(wt + (g + 8) * xs_stride + col) : make_uint4(0, 0, 0, 0);
+            const unsigned a0[4] = {ra.x, rb.x, ra.y, rb.y};  // memory columns 8t .. 8t+3 (as linear_mma)
+            const unsigned a1[4] = {ra.z, rb.z, ra.w, rb.w};  // 8t+4 .. 8t+7
+#pragma unroll
+            for (int n = 0; n < NTG; ++n) {
+                const int bl = (grp * NTG + n) * 8 + g;
+                const uint4 xv = ok ? *reinterpret_cast<const uint4*>(xs + bl * xs_stride + col) : make_uint4(0, 0, 0, 0);
+                mma_m16n8k16<T>(acc[n], a0, xv.x, xv.y);
+                mma_m16n8k16<T>(acc[n], a1, xv.z, xv.w);
+            }
+        }
+        float* mine = red + kw * COLS * RED_STRIDE;
+#pragma unroll
+        for (int n = 0; n < NTG; ++n) {
+            const int c = (grp * NTG + n) * 8 + 2 * t;
+            mine[c * RED_STRIDE + g] = acc[n][0];
+            mine[(c + 1) * RED_STRIDE + g] = acc[n][1];
+            mine[c * RED_STRIDE + g + 8] = acc[n][2];
+            mine[(c + 1) * RED_STRIDE + g + 8] = acc[n][3];
+        }
+        __syncthreads();
+        // linear_mma's epilogue, four outputs a thread: thread e -> rows 4 (e % 4) .. + 3 of the
+        // tile, row e / 4 of x (read as 16-byte vectors of the partial tiles, each summed in warp
+        // order); the argmax over a row's four quads by shuffles within aligned groups of 4 lanes
+        const float* vals = reinterpret_cast<const float*>(wt + TM * xs_stride);
+        for (int e0 = 0; e0 < 4 * nb; e0 += blockDim.x) {  // (every thread the same trips: the shuffles)
+            const int e = e0 + threadIdx.x, q = e % 4, bl = e / 4;
+            const bool active = e < 4 * nb;
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            int vi = -1;
+            float best_v = -INFINITY;
+            if (active) {
+                const float4* part = reinterpret_cast<const float4*>(red + bl * RED_STRIDE + 4 * q);
+                float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                for (int w = 0; w < KW; ++w) {  // in warp order
+                    const float4 p4 = part[w * COLS * RED_STRIDE / 4];
+                    sum.x += p4.x, sum.y += p4.y, sum.z += p4.z, sum.w += p4.w;
+                }
+                const float sv[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const int r = 4 * q + k, n = m0 + r;
+                    float sk = sv[k], bn;
+                    if constexpr (XIN == X_LN_FOLD) {
+                        sk = __fmul_rn(__fmaf_rn(-s_mean[bl], vals[TM + r], sk), s_rstd[bl]);
+                        bn = vals[r];
+                    } else {
+                        bn = to_float(reinterpret_cast<const T*>(vals)[r]);
+                    }
+                    v[k] = sk + bn;
+                    if (n < N) {
+                        if (y != nullptr) y[static_cast<long long>(b0 + bl) * N + n] = from_float<OutT>(v[k]);
+                        keep_max(best_v, vi, v[k], n);
+                    }
+                }
+            }
+            if constexpr (EPI == ARGMAX) {  // the row's best of this tile, then its running best
+#pragma unroll
+                for (int off = 2; off > 0; off >>= 1) {
+                    const float ov = __shfl_xor_sync(0xffffffffu, best_v, off, 4);
+                    const int oi = __shfl_xor_sync(0xffffffffu, vi, off, 4);
+                    keep_max(best_v, vi, ov, oi);
+                }
+                if (active && q == 0) keep_max(s_best[bl], s_best_n[bl], best_v, vi);
+            }
+        }
+        __syncthreads();  // the partial tiles and this tile's slot are free again
+    }
+    if constexpr (EPI == ARGMAX) {
+        if (threadIdx.x < nb) {
+            part_val[static_cast<long long>(b0 + threadIdx.x) * gridDim.x + blockIdx.x] = s_best[threadIdx.x];
+            part_idx[static_cast<long long>(b0 + threadIdx.x) * gridDim.x + blockIdx.x] = s_best_n[threadIdx.x];
+        }
+    }
 }
 
 // LayerNorm of B rows into out [B, K] as T, one warp a row (ln_row: the bits of

@@ -145,9 +145,11 @@ __global__ void __launch_bounds__(THREADS) argmax_kernel(int* __restrict__ out, 
 
 // The last step of a fused argmax: row b's G per-block partials (largest value, its first
 // index; index -1 = none), written by linear_kernel's ARGMAX epilogue, to out[b].
-// Equal values keep the smaller index, as argmax_kernel.
+// Equal values keep the smaller index, as argmax_kernel. positions (optional): positions[b]
+// += 1, the decode step's move to the next token (kv_advance) without a launch of its own.
 __global__ void __launch_bounds__(ARGMAX_PARTIALS_THREADS)
-    argmax_partials_kernel(int* __restrict__ out, const float* __restrict__ val, const int* __restrict__ idx, int G) {
+    argmax_partials_kernel(int* __restrict__ out, const float* __restrict__ val, const int* __restrict__ idx, int G,
+                           int* __restrict__ positions) {
     __shared__ float s_val[32];
     __shared__ int s_idx[32];
     griddep_wait();
@@ -169,6 +171,7 @@ __global__ void __launch_bounds__(ARGMAX_PARTIALS_THREADS)
         bi = lane < ARGMAX_PARTIALS_THREADS / 32 ? s_idx[lane] : -1;
         warp_argmax(best, bi);
         if (lane == 0) out[blockIdx.x] = bi;
+        if (lane == 0 && positions != nullptr) positions[blockIdx.x] += 1;
     }
 }
 

@@ -163,3 +163,22 @@ def test_gemm_tiles_fill_the_gpu():
     assert TILES[gemm_tiles(8000, 2304, 132)].bm == 128
     assert TILES[gemm_tiles(12, 768, 132)].bm == 64
     assert all(t.smem_bytes <= 99 * 1024 for t in (TILES[gemm_tiles(12, 768, 132)], TILES[gemm_tiles(9000, 9000, 1)]))
+
+
+def test_streamed_lm_head_takes_its_shapes():
+    """linear_mma_stream_kernel: GPT-2 small's LM head from 17 to 64 rows on an H100-like GPU
+    (132 SMs, 227 KiB of shared memory a block); not for fewer or more rows, wider rows, short
+    weights, outputs in x's dtype or n-tiles asked for."""
+    import importlib
+
+    lin = importlib.import_module("cupy_kernels.linear")
+    V, C, sms, smem = CFG.vocab_size, CFG.n_embd, 132, 232448
+    kw = lin._mma_warps(C)
+    take = lambda B, N=V, K_=C, tile=None, xin=lin.X_LN_FOLD, logits=True: lin._mma_stream(  # noqa: E731
+        B, N, K_, tile, xin, logits, lin._mma_warps(K_), sms, smem)
+    assert all(take(B) for B in (17, 33, 64)) and take(40, xin=lin.X_PLAIN)
+    assert not any(take(B) for B in (1, 8, 16, 65, 256))
+    assert not take(64, K_=SIZES["gpt2-xl"].n_embd)  # x and the ring exceed the shared memory
+    assert not take(64, N=3 * C) and not take(64, logits=False) and not take(64, tile=8)
+    assert not take(64, xin=lin.X_LN)
+    assert lin._stream_smem(C, kw, True) + lin._STREAM_STATIC_SMEM <= smem

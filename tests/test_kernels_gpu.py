@@ -292,6 +292,7 @@ def test_linear_qkv_into_the_cache(B, H, D, S_max, dtype):
 FOLD_CASES = [  # (B, K of the residual product, C its outputs, N of the product normalizing them)
     (1, 3072, 768, 2304), (3, 1600, 1600, 4800), (8, 776, 1000, 129), (64, 768, 768, 3072), (255, 72, 40, 77),
     (33, 72, 768, 50257),  # the LM head: 64 rows of x a block, over 48 KiB of shared memory with the static
+    (64, 72, 768, 50257), (17, 40, 768, 17011),  # (W streamed through shared memory: linear_mma_stream_kernel)
 ]
 
 
@@ -418,6 +419,40 @@ def test_linear_argmax(B, N, K_, ln, dtype):
     assert tokens.get().tolist() == np.argmax(logits.get(), axis=1).tolist()
     assert cp.array_equal(K.linear_argmax(x, w, b, **kw), tokens)  # without writing logits
     assert cp.array_equal(K.linear_argmax(x[B - 1:], w, b, **kw)[0], tokens[B - 1])
+    start = rng.integers(0, 1000, B).astype(np.int32)
+    positions = cp.asarray(start)
+    assert cp.array_equal(K.linear_argmax(x, w, b, advance=positions, **kw), tokens)  # advance: positions + 1
+    assert positions.get().tolist() == (start + 1).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+@pytest.mark.parametrize("B", [17, 40, 64])
+def test_linear_streamed_lm_head(B, dtype):
+    """Float logits of a tall weight for 17 to 64 rows (linear_mma_stream_kernel, W through a
+    shared-memory ring): against float64, and the bits of linear_mma_kernel (n-tiles asked
+    for) and of each row alone; the argmax, its partials one a block."""
+    import importlib
+
+    lin = importlib.import_module("cupy_kernels.linear")
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    N, K_ = 16 * lin.MMA_WIDE_BLOCKS * sms + 5, 768  # tall enough, and a last tile of 5 rows
+    assert lin._mma_stream(B, N, K_, None, lin.X_PLAIN, True, lin._mma_warps(K_), sms, lin._build.smem_optin())
+    assert not lin._mma_stream(B, N, K_, 8, lin.X_PLAIN, True, lin._mma_warps(K_), sms, lin._build.smem_optin())
+    rng = np.random.default_rng(B)
+    x, w, b, kw, expect = _linear_case(rng, B, N, K_, "logits", dtype)
+    out = poisoned((B, N), np.float32)
+    K.linear(x, w, b, out=out, **kw)
+    check(out, expect, dtype)
+    assert cp.array_equal(K.linear(x, w, b, tile=8, **kw), out)  # linear_mma_kernel
+    for r in (0, B - 1):
+        assert cp.array_equal(K.linear(x[r:r + 1], w, b, **kw)[0], out[r])
+    tokens = cp.full(B, -7, dtype=np.int32)
+    K.linear_argmax(x, w, b, out=tokens)
+    assert tokens.get().tolist() == np.argmax(out.get(), axis=1).tolist()
+    # a bias not 16-byte aligned takes linear_mma_kernel, with the same bits
+    b_off = cp.empty(N + 1, dtype=b.dtype)[1:]
+    b_off[...] = b
+    assert cp.array_equal(K.linear(x, w, b_off, **kw), out)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=str)
@@ -494,6 +529,10 @@ def test_linear_bad_inputs_raise():
         K.linear_argmax(x, w, logits=cp.empty((2, 10), np.float16))
     with pytest.raises(ValueError, match="out"):
         K.linear_argmax(x, w, out=cp.empty(3, np.int32))
+    with pytest.raises(TypeError, match="advance"):
+        K.linear_argmax(x, w, advance=cp.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="advance"):
+        K.linear_argmax(x, w, advance=cp.zeros(3, np.int32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
