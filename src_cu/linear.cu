@@ -839,8 +839,8 @@ __global__ void __launch_bounds__(2 * MMA_MAX_WARPS * 32, 1) linear_mma_stream_k
     // tile i of this block, with its 16 values of c and u (or of the bias), into ring slot i % STAGES
     // (rows past N: zeros). Group grp copies rows 4 grp .. 4 grp + 3, each warp the columns of its
     // own chunks: lane (g, t) row 4 grp + g % 4 of every other chunk (from g / 4), its 8t .. 8t + 7.
-    const int copy_row = GROUPS == 4 ? 4 * grp + (g & 3) : 0;
-    static_assert(GROUPS == 4, "a group copies 4 of the tile's 16 rows");
+    static_assert(GROUPS * 4 == TM, "a group copies 4 of the tile's 16 rows");
+    const int copy_row = 4 * grp + (g & 3);
     auto issue_tile = [&](int i) {
         if (i >= my_tiles) return;
         const int m0 = (blockIdx.x + i * gridDim.x) * TM;
