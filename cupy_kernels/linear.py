@@ -332,6 +332,12 @@ def _mma_m_tiles(N: int, nt: int, logits: bool, sms: int) -> int:
     return 2 if logits and nt == MMA_TILES[-1] and _build.cdiv(N, 16) >= MMA_WIDE_BLOCKS * sms else 1
 
 
+def _xs_stride(K: int) -> int:
+    """Elements of a row of x (or W) staged in shared memory: 64 bytes past a multiple of 128,
+    so that a quarter warp's 16-byte reads of two rows fall in distinct banks."""
+    return _build.cdiv(K, 64) * 64 + 32
+
+
 def _mma_plan(B: int, N: int, K: int, ln: bool, tile, warps, sms: int, smem_limit: int, fold: bool = False,
               logits: bool = False):
     """(n-tiles NT, chunks per batch U, warps KW, what the kernel does with x (X_PLAIN; X_LN:
@@ -358,7 +364,7 @@ def _mma_plan(B: int, N: int, K: int, ln: bool, tile, warps, sms: int, smem_limi
     prologue_nt = 1 if B <= 8 and long_rows and blocks <= 2 * sms else 2  # see _LN_PROLOGUE_TILES
     prologue = ln and B <= LN_PROLOGUE_ROWS and tile in (None, prologue_nt) and blocks <= LN_PROLOGUE_WAVE * sms
     nt = prologue_nt if prologue else tile or _mma_tile(B, N, K, sms)
-    xs_stride = _build.cdiv(K, 64) * 64 + 32  # a row of xs 64 bytes past a multiple of 128: no bank conflicts
+    xs_stride = _xs_stride(K)
     smem = red(nt) + ((B * xs_stride + 2 * K) * 2 if prologue else 0)  # + xs and the LayerNorm parameters
     if prologue and smem > smem_limit:
         prologue, smem = False, red(nt)
@@ -400,7 +406,7 @@ def _mma_ahead(B: int, N: int, K: int, nt: int, u: int, kw: int, xin: int, mt: i
 def _stream_smem(K: int, kw: int, fold: bool) -> int:
     """Dynamic shared memory of linear_mma_stream_kernel: the partial tiles (or first the rows'
     statistics), STREAM_ROWS rows of x and the ring of tiles of W, at linear.cu's row stride."""
-    stride = _build.cdiv(K, 64) * 64 + 32
+    stride = _xs_stride(K)
     red = max(kw * STREAM_ROWS * MMA_RED_STRIDE, STREAM_ROWS * _build.cdiv(K, STATS_COLS) * 2 if fold else 0) * 4
     return red + (STREAM_ROWS + STREAM_STAGES * 16) * stride * 2 + STREAM_STAGES * 2 * 16 * 4  # (+ c and u a tile)
 
@@ -437,31 +443,23 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
                                                     fold=fold is not None, logits=logits)
     if ln is not None and xin == X_PLAIN:  # normalize once, then the plain product (the same bits)
         x, ln = ln_rows(x, ln), None
-    null = 0
     if _mma_stream(B, N, K, tile, xin, logits, kw, sms, _build.smem_optin(),
                    (bias,) if fold is None else (fold[1], fold[2])):
         kern = _build.kernel(_SRC, _mma_stream_name(_build.ctype(x.dtype), xin, epi))
-        smem = _stream_smem(K, kw, xin == X_LN_FOLD)
-        _build.set_smem(kern, smem)
-        blocks = min(_build.cdiv(N, 16), sms)
-        if part is not None:
-            part = part(blocks)
-        ln_args = ln if fold is None else (null, null, fold[3])
-        kern((blocks, _build.cdiv(B, STREAM_ROWS)), (32 * STREAM_GROUPS * kw,),
-             _args(out, x, weight, bias, ln_args, res, part, kv, B, N, K)
-             + (i32(_build.cdiv(K, 64) * 64 + 32), null if fold is None else fold[0], null,
-                null if fold is None else fold[1], null if fold is None else fold[2]), shared_mem=smem)
-        return blocks, part
-    if _mma_ahead(B, N, K, nt, u, kw, xin, mt, epi, out_type == _build.ctype(x.dtype), sms, ahead):
-        kern = _build.kernel(_SRC, _mma_ahead_name(_build.ctype(x.dtype), u, epi))
+        smem, xs_stride = _stream_smem(K, kw, xin == X_LN_FOLD), _xs_stride(K)
+        blocks, grid_y, threads = min(_build.cdiv(N, 16), sms), _build.cdiv(B, STREAM_ROWS), 32 * STREAM_GROUPS * kw
     else:
-        kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, xin, epi, mt))
+        if _mma_ahead(B, N, K, nt, u, kw, xin, mt, epi, out_type == _build.ctype(x.dtype), sms, ahead):
+            kern = _build.kernel(_SRC, _mma_ahead_name(_build.ctype(x.dtype), u, epi))
+        else:
+            kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, xin, epi, mt))
+        blocks, grid_y, threads = _build.cdiv(N, 16 * mt), _build.cdiv(B, 8 * nt), 32 * kw
     _build.set_smem(kern, smem)
-    blocks = _build.cdiv(N, 16 * mt)
     if part is not None:
         part = part(blocks)
+    null = 0
     ln_args = ln if fold is None else (null, null, fold[3])  # (ln_fold's eps where ln's goes)
-    kern((blocks, _build.cdiv(B, 8 * nt)), (32 * kw,),
+    kern((blocks, grid_y), (threads,),
          _args(out, x, weight, bias, ln_args, res, part, kv, B, N, K)
          + (i32(xs_stride), null if fold is None else fold[0], null if stats_out is None else stats_out,
             null if fold is None else fold[1], null if fold is None else fold[2]), shared_mem=smem)
