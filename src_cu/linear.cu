@@ -33,7 +33,8 @@
 // Programmatic dependent launch: the first U chunks of W, the bias and the LayerNorm
 // parameters are requested before griddep_wait(), so they stream in while the kernel before
 // this one finishes (the step never writes them); x, the residual, the positions and every
-// output are touched only after it.
+// output are touched only after it (on tensor cores, what the epilogue reads is requested
+// by cp.async right after it, so that it lands while the product runs).
 //
 // Bytes: N K sizeof(T) of W once per pass (+ B K of x from L2 per block); 2 B N K FLOPs:
 // bandwidth bound for a few rows. Used inside the decode step instead of cuBLAS, which cannot
@@ -494,7 +495,9 @@ enum XInput : int { X_PLAIN = 0, X_LN = 1, X_LN_FOLD = 2 };
 // (GPT-2 XL at 64: 6786 / 6793). One n-tile lost with it (110 registers for 64, half the
 // blocks an SM: small at B = 1 251 / 258 us, XL 1892 / 2167). x's next batch ahead as well,
 // by cp.async into a ring of two batches a thread in shared memory, lost: B = 64 790 against
-// 691 us, XL at 64 7541 / 6308.
+// 691 us, XL at 64 7541 / 6308. So did the block's rows of x staged whole (each warp's chunks
+// by cp.async right after the wait, one wait before the first mma): B = 32 470 / 496 us,
+// B = 64 635 / 705.
 template <int NT> constexpr bool W_AHEAD() { return NT >= 2; }
 
 // The mean and rstd of a block's nb rows of x from their statistics in shared memory (sets:
@@ -558,6 +561,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
     constexpr bool LN = XIN == X_LN;
     extern __shared__ float4 smem4[];
     const int KW = blockDim.x >> 5;
+    const int n_sets = (K + 15) / 16;  // X_LN_FOLD: statistics sets of a row
     float* red = reinterpret_cast<float*>(smem4);                      // [KW][MT][COLS][RED_STRIDE] partial tiles
     T* xs = reinterpret_cast<T*>(red + KW * MT * COLS * RED_STRIDE);  // LN: [B][xs_stride] normalized rows
     T* lnp = xs + B * xs_stride;                                       // LN: [2][K] its weight and bias
@@ -565,7 +569,9 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
     __shared__ float s_bias[TM];       // (X_LN_FOLD: c)
     __shared__ float s_u[TM];          // X_LN_FOLD: u
     __shared__ float s_mean[COLS], s_rstd[COLS];  // X_LN_FOLD: of the block's rows of x
-    __shared__ float s_out[COLS][TM];  // ARGMAX: the block's values
+    __shared__ float s_out[EPI == ARGMAX ? COLS : 1][TM];  // ARGMAX: the block's values
+    __shared__ __align__(16) T s_res[EPI == RESIDUAL ? COLS : 1][TM];  // RESIDUAL: the block's residual values
+    __shared__ int s_pos[EPI == QKV_CACHE ? COLS : 1];  // QKV_CACHE: the rows' cache positions
     // the next kernel may start: its weights stream in while this one runs (triggering after
     // the main loop instead, in grids of several block rows, gained up to 6% at B = 32 and 64
     // before W_AHEAD and nothing after it: B = 64 719 against 726 us, B = 16 384 / 376)
@@ -617,13 +623,35 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
         cp_async_commit();
     }
     griddep_wait();  // x, res, positions: the previous kernels' work
-    if constexpr (XIN == X_LN_FOLD) {  // the rows' statistics on their way while the product runs
-        const int n = min(COLS, B - b0) * ((K + 15) / 16);  // (sets of the block's rows; recomputed
-        const float2* src = stats_in + static_cast<long long>(b0) * ((K + 15) / 16);  // later: fewer registers)
+    // what the epilogue reads comes in while the product runs: the rows' statistics (X_LN_FOLD),
+    // the residual tile (16-byte pieces where rows of N values allow them), the cache positions.
+    // H100, the decode step in a CUDA graph with PDL at 264 cached keys, float16, us a step
+    // before / after (same run): GPT-2 small B = 1 245.6 / 243.7, 8 293.6 / 290.9, 16 367.1 /
+    // 359.5, 32 471.5 / 473.6, 64 636.1 / 627.3; GPT-2 XL B = 1 1916.7 / 1902.8, 8 2178.6 / 2130.3.
+    const bool res_staged = EPI == RESIDUAL && N % 8 == 0 && reinterpret_cast<size_t>(res) % 16 == 0;
+    {  // (a scope: nb is computed again after the loop, fewer registers live through it)
+    const int nb = min(COLS, B - b0);  // rows of x in this block
+    if constexpr (XIN == X_LN_FOLD) {
+        const int n = nb * n_sets;
+        const float2* src = stats_in + static_cast<long long>(b0) * n_sets;
         for (int i = 2 * threadIdx.x; i < n; i += 2 * blockDim.x)  // (16-byte aligned: b0 is even)
             cp_async_16(smem_addr(sets + i), src + i, i + 1 < n ? 16 : 8);
-        cp_async_commit();
     }
+    if constexpr (EPI == RESIDUAL) {
+        if (res_staged) {
+            for (int i = threadIdx.x; i < 2 * nb; i += blockDim.x) {
+                const int bl = i >> 1, n = m0 + 8 * (i & 1);
+                const bool in = n < N;
+                cp_async_16(smem_addr(&s_res[bl][8 * (i & 1)]), res + static_cast<long long>(b0 + bl) * N + (in ? n : 0),
+                            in ? 16 : 0);
+            }
+        }
+    }
+    if constexpr (EPI == QKV_CACHE) {
+        for (int i = threadIdx.x; i < nb; i += blockDim.x) cp_async_4(smem_addr(s_pos + i), positions + b0 + i);
+    }
+    }
+    cp_async_commit();
 
     if constexpr (LN) {  // the wrapper takes this path only for B <= COLS: one block row
         cp_async_wait<0>();
@@ -685,9 +713,8 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
         }
     }
     const int nb = min(COLS, B - b0);  // rows of x in this block
+    cp_async_wait<0>();  // the statistics, residual values and positions of this thread
     if constexpr (XIN == X_LN_FOLD) {  // the mean and rstd of the block's rows, 4 rows a warp at once
-        const int n_sets = (K + 15) / 16;
-        cp_async_wait<0>();
         __syncthreads();  // every thread's sets have landed
         rows_mean_rstd(s_mean, s_rstd, sets, n_sets, nb, K, eps, warp, KW, lane);
         __syncthreads();  // the sets are read: their shared memory takes the partial tiles
@@ -734,7 +761,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
         } else if constexpr (EPI == RESIDUAL) {
             float v = 0.0f;  // the output as stored
             if (valid) {
-                const OutT yv = from_float<OutT>(to_float(res[at]) + to_float(from_float<T>(s)) + bn);
+                const OutT yv = from_float<OutT>(to_float(res_staged ? s_res[bl][r] : res[at]) + to_float(from_float<T>(s)) + bn);
                 y[at] = yv;
                 v = to_float(yv);
             }
@@ -752,7 +779,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
         } else if constexpr (EPI == QKV_CACHE) {
             const T v = from_float<T>(s + bn);
             y[at] = v;
-            store_kv_column(k_cache, v_cache, v, n, N, H, S_max, b, positions[b]);
+            store_kv_column(k_cache, v_cache, v, n, N, H, S_max, b, s_pos[bl]);
         } else {  // ARGMAX
             const float v = s + bn;
             if (y != nullptr) y[at] = from_float<OutT>(v);
@@ -771,8 +798,8 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
         }
     }
     if constexpr (EPI == QKV_CACHE) {
-        if (blockIdx.x == 0 && threadIdx.x < COLS && b0 + threadIdx.x < B)
-            seq_lens[b0 + threadIdx.x] = positions[b0 + threadIdx.x] + 1;
+        if (blockIdx.x == 0)
+            for (int i = threadIdx.x; i < nb; i += blockDim.x) seq_lens[b0 + i] = s_pos[i] + 1;
     }
 }
 

@@ -90,6 +90,11 @@ __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int s
                  : "memory");
 }
 
+// 4 bytes, through L1 (cp.async.ca: the only kind of that size).
+__device__ __forceinline__ void cp_async_4(unsigned dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
 // Close the group of copies issued since the last commit.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 

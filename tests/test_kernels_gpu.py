@@ -266,10 +266,14 @@ def test_linear_w_ahead_gives_the_same_bits(B, N, K_, variant, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("B,H,D,S_max", [(1, 12, 64, 40), (3, 25, 64, 7), (9, 2, 128, 5), (20, 12, 64, 9)])
-def test_linear_qkv_into_the_cache(B, H, D, S_max, dtype):
+@pytest.mark.parametrize("B,H,D,S_max,tile", [(1, 12, 64, 40, None), (3, 25, 64, 7, None), (9, 2, 128, 5, None),
+                                              (20, 12, 64, 9, None), (70, 2, 64, 9, 8)])
+def test_linear_qkv_into_the_cache(B, H, D, S_max, tile, dtype):
     """kv_cache=: the q|k|v product as usual, and its k, v parts in the caches at each row's
-    position, as kv_append would put them; seq_lens = positions + 1; other rows untouched."""
+    position, as kv_append would put them; seq_lens = positions + 1; other rows untouched.
+    (70 rows at 8 n-tiles of C = 128: blocks of one warp for 64 rows of x each.)"""
+    if tile is not None and dtype == np.float32:
+        pytest.skip("n-tiles: tensor cores (16-bit) only")
     rng = np.random.default_rng(B * H)
     C = H * D
     x, w, b, kw, expect = _linear_case(rng, B, 3 * C, C, "ln", dtype)
@@ -278,7 +282,7 @@ def test_linear_qkv_into_the_cache(B, H, D, S_max, dtype):
     seq_lens = cp.zeros(B, dtype=np.int32)
     out = poisoned((B, 3 * C), dtype)
     K.linear(x, w, b, out=out, kv_cache={"k_cache": k_cache, "v_cache": v_cache, "positions": positions,
-                                         "seq_lens": seq_lens}, **kw)
+                                         "seq_lens": seq_lens}, tile=tile, **kw)
     check(out, expect, dtype)
     ref_k, ref_v = poisoned((B + 1, H, S_max, D), dtype), poisoned((B + 1, H, S_max, D), dtype)
     qkv = out.reshape(B, 1, 3, H, D)
