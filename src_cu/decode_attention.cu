@@ -51,9 +51,9 @@ __global__ void __launch_bounds__(THREADS)
                             float scale, int chunk_keys) {
     const int b = blockIdx.y, splits = gridDim.z;
     // (attend waits for the previous kernel once the first trip's rows are requested)
-    attend<T, KT, D, QPB, THREADS, 1, false, false, true>(out, part_o, part_lse, q, k_cache, v_cache, k_scale, v_scale, seq_lens, alibi, H,
-                                   H_kv, S_max, q_sb, scale, blockIdx.x, b, blockIdx.z, splits, gridDim.y,
-                                   chunk_keys);
+    attend<T, KT, D, QPB, THREADS, 1, false, false, true>(out, part_o, part_lse, q, k_cache, v_cache, k_scale,
+                                                          v_scale, seq_lens, alibi, H, H_kv, S_max, q_sb, scale,
+                                                          blockIdx.x, b, blockIdx.z, splits, gridDim.y, chunk_keys);
     if (splits == 1 || counters == nullptr) return;
     constexpr int TILE = attention_tile<KT, D, THREADS>();
     const int len = seq_lens[b];

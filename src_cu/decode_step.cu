@@ -337,7 +337,7 @@ __device__ __forceinline__ void product_phase(const Product<T>& p, const Epilogu
             float sum = 0.0f;
             if (lane < 16) {
                 for (int j = 0; j < p.KW; ++j) sum += sh.red[grp * p.KW + j][lane];  // in warp order
-                if (fold) sum = __fmul_rn(__fmaf_rn(-sh.mean, eu, sum), sh.rstd);
+                if (fold) sum = unfold_ln(sum, sh.mean, eu, sh.rstd);
             }
             const float bn = valid ? ec : 0.0f;
             if constexpr (EPI == E_QKV) {

@@ -500,6 +500,14 @@ enum XInput : int { X_PLAIN = 0, X_LN = 1, X_LN_FOLD = 2 };
 // B = 64 635 / 705.
 template <int NT> constexpr bool W_AHEAD() { return NT >= 2; }
 
+// The statistics sets of rows b0 .. b0 + nb - 1 (stats_in: [B][n_sets]) into shared memory
+// (sets: [nb][n_sets]) by cp.async, 16 bytes a thread at a time (b0 is even: aligned).
+__device__ __forceinline__ void copy_row_sets(float2* sets, const float2* stats_in, int b0, int nb, int n_sets) {
+    const int n = nb * n_sets;
+    const float2* src = stats_in + static_cast<long long>(b0) * n_sets;
+    for (int i = 2 * threadIdx.x; i < n; i += 2 * blockDim.x) cp_async_16(smem_addr(sets + i), src + i, i + 1 < n ? 16 : 8);
+}
+
 // The mean and rstd of a block's nb rows of x from their statistics in shared memory (sets:
 // [nb][n_sets]), 4 rows a warp at once (row_stats), warp w of `warps` taking rows 4w, 4w + 4
 // warps, ...; every lane of a warp takes each trip (the shuffles).
@@ -629,14 +637,8 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
     // before / after (same run): GPT-2 small B = 1 245.6 / 243.7, 8 293.6 / 290.9, 16 367.1 /
     // 359.5, 32 471.5 / 473.6, 64 636.1 / 627.3; GPT-2 XL B = 1 1916.7 / 1902.8, 8 2178.6 / 2130.3.
     const bool res_staged = EPI == RESIDUAL && N % 8 == 0 && reinterpret_cast<size_t>(res) % 16 == 0;
-    {  // (a scope: nb is computed again after the loop, fewer registers live through it)
     const int nb = min(COLS, B - b0);  // rows of x in this block
-    if constexpr (XIN == X_LN_FOLD) {
-        const int n = nb * n_sets;
-        const float2* src = stats_in + static_cast<long long>(b0) * n_sets;
-        for (int i = 2 * threadIdx.x; i < n; i += 2 * blockDim.x)  // (16-byte aligned: b0 is even)
-            cp_async_16(smem_addr(sets + i), src + i, i + 1 < n ? 16 : 8);
-    }
+    if constexpr (XIN == X_LN_FOLD) copy_row_sets(sets, stats_in, b0, nb, n_sets);
     if constexpr (EPI == RESIDUAL) {
         if (res_staged) {
             for (int i = threadIdx.x; i < 2 * nb; i += blockDim.x) {
@@ -649,7 +651,6 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
     }
     if constexpr (EPI == QKV_CACHE) {
         for (int i = threadIdx.x; i < nb; i += blockDim.x) cp_async_4(smem_addr(s_pos + i), positions + b0 + i);
-    }
     }
     cp_async_commit();
 
@@ -712,7 +713,6 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
             load_w(wa, wb, j0 + U);
         }
     }
-    const int nb = min(COLS, B - b0);  // rows of x in this block
     cp_async_wait<0>();  // the statistics, residual values and positions of this thread
     if constexpr (XIN == X_LN_FOLD) {  // the mean and rstd of the block's rows, 4 rows a warp at once
         __syncthreads();  // every thread's sets have landed
@@ -744,7 +744,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
         if (active) {
             const float* part = red + (r >> 4) * COLS * RED_STRIDE + bl * RED_STRIDE + (r & 15);
             for (int w = 0; w < KW; ++w) s += part[w * MT * COLS * RED_STRIDE];  // in warp order
-            if constexpr (XIN == X_LN_FOLD) s = __fmul_rn(__fmaf_rn(-s_mean[bl], s_u[r], s), s_rstd[bl]);
+            if constexpr (XIN == X_LN_FOLD) s = unfold_ln(s, s_mean[bl], s_u[r], s_rstd[bl]);
         }
         if (!valid) {
             if constexpr (EPI == ARGMAX) {
@@ -905,11 +905,7 @@ __global__ void __launch_bounds__(2 * MMA_MAX_WARPS * 32, 1) linear_mma_stream_k
         cp_async_16(smem_addr(xs + r * xs_stride + 8 * c), x + static_cast<long long>(in ? b0 + r : 0) * K + 8 * c,
                     in ? 16 : 0);
     }
-    if constexpr (XIN == X_LN_FOLD) {
-        const int n = nb * n_sets;
-        const float2* src = stats_in + static_cast<long long>(b0) * n_sets;
-        for (int i = 2 * threadIdx.x; i < n; i += 2 * blockDim.x) cp_async_16(smem_addr(sets + i), src + i, i + 1 < n ? 16 : 8);
-    }
+    if constexpr (XIN == X_LN_FOLD) copy_row_sets(sets, stats_in, b0, nb, n_sets);
     cp_async_commit();
     if (threadIdx.x < COLS) s_best[threadIdx.x] = -INFINITY, s_best_n[threadIdx.x] = -1;
     cp_async_wait<0>();
@@ -979,7 +975,7 @@ __global__ void __launch_bounds__(2 * MMA_MAX_WARPS * 32, 1) linear_mma_stream_k
                     const int r = 4 * q + k, n = m0 + r;
                     float sk = sv[k], bn;
                     if constexpr (XIN == X_LN_FOLD) {
-                        sk = __fmul_rn(__fmaf_rn(-s_mean[bl], vals[TM + r], sk), s_rstd[bl]);
+                        sk = unfold_ln(sk, s_mean[bl], vals[TM + r], s_rstd[bl]);
                         bn = vals[r];
                     } else {
                         bn = to_float(reinterpret_cast<const T*>(vals)[r]);

@@ -25,6 +25,13 @@ __device__ __forceinline__ void keep_max(float& best, int& best_n, float v, int 
     if (n >= 0 && (best_n < 0 || v > best || (v == best && n < best_n))) best = v, best_n = n;
 }
 
+// A folded LayerNorm's output from the product s = x W^T of W = W0 diag(gamma), for a row of
+// mean m and reciprocal deviation r and u = W 1:  r (s - m u)  (the constant c is added with the
+// bias). Pinned arithmetic: every kernel that folds gets the same bits.
+__device__ __forceinline__ float unfold_ln(float s, float mean, float u, float rstd) {
+    return __fmul_rn(__fmaf_rn(-mean, u, s), rstd);
+}
+
 constexpr int LN_VECS = 4;  // 16-byte vectors of a LayerNorm row a lane loads at once
 
 // Row statistics in sets: the RESIDUAL epilogue leaves, per block and row, the mean and the
