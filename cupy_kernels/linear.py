@@ -63,12 +63,14 @@ LN_PROLOGUE_ROWS = 16
 # 8.08, folded at 80 registers, its 400 blocks then in two waves: one n-tile now keeps 64.)
 LN_PROLOGUE_WAVE = 4
 _LN_ROWS_WARPS = 4
-# linear_mma_stream_kernel: tiles of W in its shared-memory ring (STREAM_STAGES - 1 in flight
-# while one is used), rows of x a block
-STREAM_STAGES = 3
+# linear_mma_stream_kernel: tiles of W in its shared-memory ring (STREAM_STAGES - 2 in flight
+# while one is multiplied and one finished), rows of x a block
+STREAM_STAGES = 4  # (3, 4, 5 slots: 58.9, 59.7, 60.5 us for the LM head at 64 rows on the H100 before x became
+#                    the A operand, see _mma_stream: one or two tiles in flight kept it busy)
 STREAM_ROWS = 64
 STREAM_MIN_ROWS = 17  # (the kernel computes all 64 rows: at 16, linear_mma_kernel's 2 n-tiles measured as fast)
-STREAM_GROUPS = 4  # warp groups of a block (each KW warps on 2 of the 8 n-tiles): blocks of at most 16 warps
+STREAM_GROUPS = 4  # warp groups of a block (each KW warps on 16 of the 64 rows of x): blocks of at most 16 warps
+STREAM_RED_STRIDE = 24  # linear.cu's: floats a row of x takes in a partial tile
 _STREAM_STATIC_SMEM = 1024  # its static shared memory: the rows' mean, rstd and best (value, index)
 
 
@@ -404,33 +406,45 @@ def _mma_ahead(B: int, N: int, K: int, nt: int, u: int, kw: int, xin: int, mt: i
 
 
 def _stream_smem(K: int, kw: int, fold: bool) -> int:
-    """Dynamic shared memory of linear_mma_stream_kernel: the partial tiles (or first the rows'
-    statistics), STREAM_ROWS rows of x and the ring of tiles of W, at linear.cu's row stride."""
+    """Dynamic shared memory of linear_mma_stream_kernel: two buffers of partial tiles (or first
+    the rows' statistics) and the ring of tiles of W, at linear.cu's row stride."""
     stride = _xs_stride(K)
-    red = max(kw * STREAM_ROWS * MMA_RED_STRIDE, STREAM_ROWS * _build.cdiv(K, STATS_COLS) * 2 if fold else 0) * 4
-    return red + (STREAM_ROWS + STREAM_STAGES * 16) * stride * 2 + STREAM_STAGES * 2 * 16 * 4  # (+ c and u a tile)
+    red = max(2 * kw * STREAM_ROWS * STREAM_RED_STRIDE, STREAM_ROWS * _build.cdiv(K, STATS_COLS) * 2 if fold else 0) * 4
+    return red + STREAM_STAGES * (16 * stride * 2 + 2 * 16 * 4)  # (each tile with its c and u)
 
 
 def _mma_stream(B: int, N: int, K: int, tile, xin: int, logits: bool, kw: int, sms: int, smem_limit: int,
                 consts=()) -> bool:
     """Whether the product runs as linear_mma_stream_kernel: float logits (stored or reduced to
     the argmax) of a tall weight (as _mma_m_tiles) for STREAM_MIN_ROWS to STREAM_ROWS rows of x,
-    plain or folded, with no n-tiles asked for, where its shared memory fits (GPT-2 small's K =
-    768: 204 KB of the H100's 227; wider rows take linear_mma_kernel) and its bias or folded
+    plain or folded, with no n-tiles asked for, where a block's warps (at most 4 a group, each
+    with at most MMA_CHUNKS_PER_WARP chunks of a row: GPT-2 small's K = 768; wider rows take
+    linear_mma_kernel) and its shared memory fit (152 KB at K = 768) and its bias or folded
     constants are 16-byte aligned. Never changes the numbers.
     linear_mma_kernel runs such a product in blocks of 32 rows of W that each read the 64 rows
     of x (and their statistics) from L2 and wait for memory between their phases (H100, GPT-2
     small's LM head at B = 64 in the step: 31.6% of the DRAM bandwidth, 160 registers, 3 blocks
-    an SM; ncu on the step's launches). Here one block an SM stages them once and keeps two tiles of W in flight
-    throughout. Measured on the H100 (float16, the decode step in a graph with PDL at 264
+    an SM; ncu on the step's launches). Here one block an SM loads them once and keeps two
+    tiles of W in flight throughout. Measured on the H100 (float16, the decode step in a graph with PDL at 264
     cached keys, us, linear_mma_kernel / this): B = 64 656 / 633 (gen B = 64: 93.9k / 97.2k
     tok/s), B = 32 481 / 469, B = 16 374 / 376 (64 rows computed for 16: not taken). Two warp
     groups of 4 n-tiles and a thread an output in the epilogue first took 679 us at B = 64: the
     block was issue-bound (8 warps an SM, 0.38 instructions a cycle a scheduler); four groups,
     one cp.async a chunk a thread with no index division, and four outputs a thread from
-    16-byte reads of the partial tiles brought it to 633."""
+    16-byte reads of the partial tiles brought it to 633.
+    Then (the LM head alone at 64 rows, plain x with the argmax, 10 launches in a graph, us a
+    launch, the copy floor 26.1): 68.3 with x staged in shared memory; 61.8 with each warp's
+    fragments of x in registers (only W read from shared memory; groups of 4 n-tiles, 8
+    warps, 60.0 in the step against 59.7); 59.7 with one barrier a tile (two buffers of
+    partial tiles, tile i multiplied while tile i - 1 is finished); 59.5 with two outputs a
+    thread (every warp a share of the epilogue) and the copies' offsets computed once; 53.6
+    with x as the mma's A operand (ncu before it: 470 instructions a warp a tile, 16 register
+    moves for every 4 mma, 0.47 instructions a cycle a scheduler, the top barrier 18% of the
+    stall samples). The step at B = 64: 621.8 / 610.1 us, 512 tokens at B = 64 98.7k / 100.7k
+    tok/s (same run)."""
     return (logits and tile is None and xin in (X_PLAIN, X_LN_FOLD) and STREAM_MIN_ROWS <= B <= STREAM_ROWS
             and _build.cdiv(N, 16) >= MMA_WIDE_BLOCKS * sms and STREAM_GROUPS * kw <= 2 * MMA_MAX_WARPS
+            and _build.cdiv(_build.cdiv(K, 32), kw) <= MMA_CHUNKS_PER_WARP
             and _stream_smem(K, kw, xin == X_LN_FOLD) + _STREAM_STATIC_SMEM <= smem_limit
             and all(a.data.ptr % 16 == 0 for a in consts if a is not None))  # (bias, u, c: 16-byte copies)
 

@@ -821,34 +821,45 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, 1) linear_mma_ahead_kernel
 // The LM head of 17 to 64 rows of x (float logits stored, or reduced to the argmax), with W
 // streamed through shared memory: one block an SM walks the 16-row tiles of W blockIdx.x,
 // + gridDim.x, ... Each tile (and its 16 values of c and u, or of the bias) comes in by
-// cp.async into a ring of STAGES tiles, STAGES - 1 tiles ahead of the one in use (the first
-// ones before griddep_wait: W is never written), so the tile loads go on through every
-// tile's reduction and epilogue; the block's 64 rows of x (and their statistics, X_LN_FOLD)
-// come in once, after the wait. Four groups of KW warps: group i multiplies n-tiles 2i and
-// 2i + 1, warp w of a group takes chunks w, w + KW, ... of the tile's rows, reading from
-// shared memory the same 16-byte pieces of W and x that linear_mma_kernel's lanes load from
-// memory, into the same mma sequence; the warps' partial tiles are added in warp order and
-// the epilogue is linear_mma's (four outputs a thread): an output gets the bits it gets there
-// (and alone). The argmax keeps each row's best (value, index) over the block's tiles and
-// writes one partial a block. Shared memory: x and the ring at a row stride 64 bytes past a
-// multiple of 128 (a quarter warp's 16-byte reads of two rows fall in distinct banks), the
-// partial tiles (or first the statistics). The measurements are beside the wrapper's
-// _mma_stream.
+// cp.async into a ring of STAGES slots, STAGES - 2 tiles ahead of the one multiplied (the
+// first ones before griddep_wait: W is never written), so the tile loads go on through every
+// tile's reduction and epilogue. Four groups of KW warps: group i takes x's rows 16i .. 16i +
+// 15, warp w of a group chunks w, w + KW, ... (at most STREAM_CHUNKS) of the rows. Each warp
+// loads its fragments of x into registers once, after the wait, and multiplies them as the
+// mma's A operand by W's rows from shared memory as B: the transpose of linear_mma_kernel's
+// tile (W as A), with the same products in the same order of k, so W's 16-byte reads are the
+// B registers as they are (as A they needed eight register moves an mma). The warps' partial
+// tiles are added in warp order and the epilogue is linear_mma's (two outputs a thread): an
+// output gets the bits it gets there and alone (tested on the H100: the transposed mma gives
+// the same bits). One barrier a tile: after it, each warp multiplies tile i into one of two
+// buffers of partial tiles while it finishes tile i - 1 from the other (sums, epilogue,
+// argmax), so the two phases' latencies overlap. The argmax keeps each row's best (value,
+// index) over the block's tiles and writes one partial a block. Shared memory: the two
+// buffers of partial tiles (or first the rows' statistics, X_LN_FOLD), then the ring, its
+// rows at a stride 64 bytes past a multiple of 128 (a quarter warp's 16-byte reads of two
+// rows fall in distinct banks), zero past K in the last chunk. The measurements are beside
+// the wrapper's _mma_stream.
+constexpr int STREAM_CHUNKS = 6;  // chunks of 32 columns a warp takes at most (linear.py's MMA_CHUNKS_PER_WARP)
+constexpr int STREAM_MAX_KW = 4;  // warps a group at most (linear.py's _mma_stream)
+constexpr int STREAM_RED_STRIDE = 24;  // floats a row of x takes in a partial tile: a half warp's 8-byte stores
+                                       // of four rows fall in distinct banks (linear.py's STREAM_RED_STRIDE)
 template <typename T, typename OutT, int XIN, int EPI, int STAGES>
-__global__ void __launch_bounds__(2 * MMA_MAX_WARPS * 32, 1) linear_mma_stream_kernel(LINEAR_MMA_PARAMS) {
+__global__ void __launch_bounds__(4 * STREAM_MAX_KW * 32, 1) linear_mma_stream_kernel(LINEAR_MMA_PARAMS) {
     static_assert(EPI == STORE || EPI == ARGMAX, "the LM head's epilogues");
     static_assert(XIN == X_PLAIN || XIN == X_LN_FOLD, "x as it is, or with its LayerNorm folded");
-    constexpr int COLS = 64, GROUPS = 4, NTG = COLS / 8 / GROUPS, TM = 16;  // rows of x a block, warp groups,
-    extern __shared__ float4 smem4[];                                      // n-tiles a group, rows of W a tile
+    static_assert(STAGES >= 3, "a slot for the tile multiplied, one for the tile finished, one in flight");
+    constexpr int COLS = 64, GROUPS = 4, TM = 16;  // rows of x a block, warp groups, rows of W a tile
+    constexpr int AHEAD = STAGES - 2;             // tiles in flight
+    static_assert(GROUPS * 16 == COLS, "a group takes 16 rows of x");
+    extern __shared__ float4 smem4[];
     const int KW = blockDim.x / (32 * GROUPS);  // warps a group
     const int n_sets = (K + 15) / 16;
-    const int red_floats = max(KW * COLS * RED_STRIDE, XIN == X_LN_FOLD ? COLS * n_sets * 2 : 0);
+    const int red_floats = max(2 * KW * COLS * STREAM_RED_STRIDE, XIN == X_LN_FOLD ? COLS * n_sets * 2 : 0);
     const int slot_elems = TM * xs_stride + 2 * TM * 4 / static_cast<int>(sizeof(T));  // + the tile's c and u (or bias)
-    float* red = reinterpret_cast<float*>(smem4);                   // [KW][COLS][RED_STRIDE] partial tiles
-    float2* sets = reinterpret_cast<float2*>(smem4);                // X_LN_FOLD: [COLS][n_sets], before red
-    T* xs = reinterpret_cast<T*>(red + red_floats);                 // [COLS][xs_stride] rows of x
-    T* ring = xs + COLS * xs_stride;                                // [STAGES] tiles of W: [TM][xs_stride], then
-                                                                    // c, u [TM] float (X_LN_FOLD) or bias [TM] T
+    float* red = reinterpret_cast<float*>(smem4);     // [2][KW][COLS][STREAM_RED_STRIDE] partial tiles
+    float2* sets = reinterpret_cast<float2*>(smem4);  // X_LN_FOLD: [COLS][n_sets], before red
+    T* ring = reinterpret_cast<T*>(red + red_floats);  // [STAGES] tiles of W: [TM][xs_stride], then
+                                                       // c, u [TM] float (X_LN_FOLD) or bias [TM] T
     __shared__ float s_mean[COLS], s_rstd[COLS];
     __shared__ float s_best[COLS];  // ARGMAX: each row's largest value over the block's tiles so far, its index
     __shared__ int s_best_n[COLS];
@@ -860,25 +871,32 @@ __global__ void __launch_bounds__(2 * MMA_MAX_WARPS * 32, 1) linear_mma_stream_k
     const int n_tiles = (N + TM - 1) / TM;
     const int my_tiles = blockIdx.x < n_tiles ? (n_tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
     const int n_chunks = (K + 31) / 32;
-    const int my_chunks = kw < n_chunks ? (n_chunks - 1 - kw) / KW + 1 : 0;
-    const int vecs = K / 8;  // 16-byte pieces of a row
+    const int my_chunks = kw < n_chunks ? (n_chunks - 1 - kw) / KW + 1 : 0;  // <= STREAM_CHUNKS (the wrapper)
 
     // tile i of this block, with its 16 values of c and u (or of the bias), into ring slot i % STAGES
     // (rows past N: zeros). Group grp copies rows 4 grp .. 4 grp + 3, each warp the columns of its
-    // own chunks: lane (g, t) row 4 grp + g % 4 of every other chunk (from g / 4), its 8t .. 8t + 7.
+    // own chunks: lane (g, t) row 4 grp + g % 4, columns 8t .. 8t + 7 of every other chunk (from g / 4):
+    // at most STREAM_CHUNKS / 2 pieces, their offsets in the row computed once.
     static_assert(GROUPS * 4 == TM, "a group copies 4 of the tile's 16 rows");
     const int copy_row = 4 * grp + (g & 3);
+    int copy_col[STREAM_CHUNKS / 2];  // -1: no piece
+#pragma unroll
+    for (int p = 0; p < STREAM_CHUNKS / 2; ++p) {
+        const int j = (g >> 2) + 2 * p, col = 32 * (kw + j * KW) + 8 * t;
+        copy_col[p] = j < my_chunks ? col : -1;  // (past K: zeros)
+    }
     auto issue_tile = [&](int i) {
         if (i >= my_tiles) return;
         const int m0 = (blockIdx.x + i * gridDim.x) * TM;
-        T* slot = ring + (i % STAGES) * slot_elems;
+        T* slot = ring + (i % STAGES) * slot_elems + copy_row * xs_stride;
         const bool in = m0 + copy_row < N;
         const T* src = W + static_cast<long long>(in ? m0 + copy_row : 0) * K;
-        for (int j = g >> 2; j < my_chunks; j += 2) {
-            const int col = 32 * (kw + j * KW) + 8 * t;
-            cp_async_16(smem_addr(slot + copy_row * xs_stride + col), src + (col < K ? col : 0), in && col < K ? 16 : 0);
+#pragma unroll
+        for (int p = 0; p < STREAM_CHUNKS / 2; ++p) {
+            const int col = copy_col[p];
+            if (col >= 0) cp_async_16(smem_addr(slot + col), src + (col < K ? col : 0), in && col < K ? 16 : 0);
         }
-        float* vals = reinterpret_cast<float*>(slot + TM * xs_stride);
+        float* vals = reinterpret_cast<float*>(ring + (i % STAGES) * slot_elems + TM * xs_stride);
         if constexpr (XIN == X_LN_FOLD) {  // c then u: 4 floats a piece
             if (threadIdx.x < 8) {
                 const int p = threadIdx.x % 4, n = m0 + 4 * p;
@@ -894,19 +912,32 @@ __global__ void __launch_bounds__(2 * MMA_MAX_WARPS * 32, 1) linear_mma_stream_k
         }
     };
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {  // before the wait: only W and its constants
+    for (int i = 0; i < AHEAD; ++i) {  // before the wait: only W and its constants
         issue_tile(i);
         cp_async_commit();
     }
     griddep_wait();  // x and its statistics: the previous kernels' work
-    for (int e = threadIdx.x; e < COLS * vecs; e += blockDim.x) {
-        const int r = e / vecs, c = e % vecs;
-        const bool in = r < nb;
-        cp_async_16(smem_addr(xs + r * xs_stride + 8 * c), x + static_cast<long long>(in ? b0 + r : 0) * K + 8 * c,
-                    in ? 16 : 0);
-    }
     if constexpr (XIN == X_LN_FOLD) copy_row_sets(sets, stats_in, b0, nb, n_sets);
     cp_async_commit();
+    // this warp's fragments of x for every tile, as the mma's A operand (x's 16 rows 16 grp .. 16 grp + 15
+    // by W's 8 rows, the transpose of linear_mma_kernel's tile and the same products): lane (g, t) rows
+    // 16 grp + g and + 8 of x, columns 8t .. 8t + 7 of its chunks, in linear_mma_kernel's order of k
+    // (zeros past the rows and columns)
+    unsigned xa[STREAM_CHUNKS][2][4];
+#pragma unroll
+    for (int j = 0; j < STREAM_CHUNKS; ++j) {
+        const int col = 32 * (kw + j * KW) + 8 * t;
+        uint4 r[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int bl = 16 * grp + 8 * h + g;
+            r[h] = j < my_chunks && col < K && bl < nb
+                       ? *reinterpret_cast<const uint4*>(x + static_cast<long long>(b0 + bl) * K + col)
+                       : make_uint4(0, 0, 0, 0);
+        }
+        xa[j][0][0] = r[0].x, xa[j][0][1] = r[1].x, xa[j][0][2] = r[0].y, xa[j][0][3] = r[1].y;  // columns 8t .. 8t+3
+        xa[j][1][0] = r[0].z, xa[j][1][1] = r[1].z, xa[j][1][2] = r[0].w, xa[j][1][3] = r[1].w;  // 8t+4 .. 8t+7
+    }
     if (threadIdx.x < COLS) s_best[threadIdx.x] = -INFINITY, s_best_n[threadIdx.x] = -1;
     cp_async_wait<0>();
     __syncthreads();
@@ -915,64 +946,57 @@ __global__ void __launch_bounds__(2 * MMA_MAX_WARPS * 32, 1) linear_mma_stream_k
         __syncthreads();  // the sets are read: their shared memory takes the partial tiles
     }
 
-#pragma unroll 1
-    for (int i = 0; i < my_tiles; ++i) {
-        issue_tile(i + STAGES - 1);  // into the slot tile i - 1 used (read before the last barrier)
-        cp_async_commit();
-        cp_async_wait<STAGES - 1>();  // this thread's pieces of tile i have landed
-        __syncthreads();              // ... and every thread's
-        const int m0 = (blockIdx.x + i * gridDim.x) * TM;
+    // tile i times x: this warp's partial tile into buffer i % 2. W's rows g and g + 8 are the B
+    // operands of two mma (16-byte reads: no register moves); the ring is zero past K in the last chunk.
+    auto multiply = [&](int i) {
         const T* wt = ring + (i % STAGES) * slot_elems;
-        float acc[NTG][4];
+        float acc[2][4];  // [W's rows g | g + 8 as 2t, 2t + 1 of the n-tile][x's rows g, g + 8]
 #pragma unroll
-        for (int n = 0; n < NTG; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-#pragma unroll 2
-        for (int j = 0; j < my_chunks; ++j) {
-            const int col = 32 * (kw + j * KW) + 8 * t;
-            const bool ok = col < K;
-            const uint4 ra = ok ? *reinterpret_cast<const uint4*>(wt + g * xs_stride + col) : make_uint4(0, 0, 0, 0);
-            const uint4 rb = ok ? *reinterpret_cast<const uint4*>(wt + (g + 8) * xs_stride + col) : make_uint4(0, 0, 0, 0);
-            const unsigned a0[4] = {ra.x, rb.x, ra.y, rb.y};  // memory columns 8t .. 8t+3 (as linear_mma)
-            const unsigned a1[4] = {ra.z, rb.z, ra.w, rb.w};  // 8t+4 .. 8t+7
+        for (int h = 0; h < 2; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.0f;
 #pragma unroll
-            for (int n = 0; n < NTG; ++n) {
-                const int bl = (grp * NTG + n) * 8 + g;
-                const uint4 xv = ok ? *reinterpret_cast<const uint4*>(xs + bl * xs_stride + col) : make_uint4(0, 0, 0, 0);
-                mma_m16n8k16<T>(acc[n], a0, xv.x, xv.y);
-                mma_m16n8k16<T>(acc[n], a1, xv.z, xv.w);
+        for (int j = 0; j < STREAM_CHUNKS; ++j) {
+            if (j < my_chunks) {
+                const int col = 32 * (kw + j * KW) + 8 * t;
+                const uint4 ra = *reinterpret_cast<const uint4*>(wt + g * xs_stride + col);
+                const uint4 rb = *reinterpret_cast<const uint4*>(wt + (g + 8) * xs_stride + col);
+                mma_m16n8k16<T>(acc[0], xa[j][0], ra.x, ra.y);
+                mma_m16n8k16<T>(acc[0], xa[j][1], ra.z, ra.w);
+                mma_m16n8k16<T>(acc[1], xa[j][0], rb.x, rb.y);
+                mma_m16n8k16<T>(acc[1], xa[j][1], rb.z, rb.w);
             }
         }
-        float* mine = red + kw * COLS * RED_STRIDE;
+        float* mine = red + ((i & 1) * KW + kw) * COLS * STREAM_RED_STRIDE;
 #pragma unroll
-        for (int n = 0; n < NTG; ++n) {
-            const int c = (grp * NTG + n) * 8 + 2 * t;
-            mine[c * RED_STRIDE + g] = acc[n][0];
-            mine[(c + 1) * RED_STRIDE + g] = acc[n][1];
-            mine[c * RED_STRIDE + g + 8] = acc[n][2];
-            mine[(c + 1) * RED_STRIDE + g + 8] = acc[n][3];
+        for (int h = 0; h < 2; ++h) {  // output (W row 8h + 2t (+ 1), x row 16 grp + g (+ 8))
+            const int c = 16 * grp + g, r = 8 * h + 2 * t;
+            *reinterpret_cast<float2*>(mine + c * STREAM_RED_STRIDE + r) = make_float2(acc[h][0], acc[h][1]);
+            *reinterpret_cast<float2*>(mine + (c + 8) * STREAM_RED_STRIDE + r) = make_float2(acc[h][2], acc[h][3]);
         }
-        __syncthreads();
-        // linear_mma's epilogue, four outputs a thread: thread e -> rows 4 (e % 4) .. + 3 of the
-        // tile, row e / 4 of x (read as 16-byte vectors of the partial tiles, each summed in warp
-        // order); the argmax over a row's four quads by shuffles within aligned groups of 4 lanes
-        const float* vals = reinterpret_cast<const float*>(wt + TM * xs_stride);
-        for (int e0 = 0; e0 < 4 * nb; e0 += blockDim.x) {  // (every thread the same trips: the shuffles)
-            const int e = e0 + threadIdx.x, q = e % 4, bl = e / 4;
-            const bool active = e < 4 * nb;
-            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    };
+    // linear_mma's epilogue of tile i from buffer i % 2, two outputs a thread (every warp takes a
+    // share): thread e -> rows 2 (e % 8), + 1 of the tile, row e / 8 of x (each output the sum of
+    // the warps' partial tiles in warp order, read as 8-byte vectors); the argmax over a row's
+    // eight pairs by shuffles within aligned groups of 8 lanes
+    auto finish = [&](int i) {
+        const int m0 = (blockIdx.x + i * gridDim.x) * TM;
+        const float* vals = reinterpret_cast<const float*>(ring + (i % STAGES) * slot_elems + TM * xs_stride);
+        const float* buf = red + (i & 1) * KW * COLS * STREAM_RED_STRIDE;
+        for (int e0 = 0; e0 < 8 * nb; e0 += blockDim.x) {  // (every thread the same trips: the shuffles)
+            const int e = e0 + threadIdx.x, q = e % 8, bl = e / 8;
+            const bool active = e < 8 * nb;
             int vi = -1;
             float best_v = -INFINITY;
             if (active) {
-                const float4* part = reinterpret_cast<const float4*>(red + bl * RED_STRIDE + 4 * q);
-                float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const float2* part = reinterpret_cast<const float2*>(buf + bl * STREAM_RED_STRIDE + 2 * q);
+                float2 sum = make_float2(0.0f, 0.0f);
                 for (int w = 0; w < KW; ++w) {  // in warp order
-                    const float4 p4 = part[w * COLS * RED_STRIDE / 4];
-                    sum.x += p4.x, sum.y += p4.y, sum.z += p4.z, sum.w += p4.w;
+                    const float2 p2 = part[w * COLS * STREAM_RED_STRIDE / 2];
+                    sum.x += p2.x, sum.y += p2.y;
                 }
-                const float sv[4] = {sum.x, sum.y, sum.z, sum.w};
+                const float sv[2] = {sum.x, sum.y};
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const int r = 4 * q + k, n = m0 + r;
+                for (int k = 0; k < 2; ++k) {
+                    const int r = 2 * q + k, n = m0 + r;
                     float sk = sv[k], bn;
                     if constexpr (XIN == X_LN_FOLD) {
                         sk = unfold_ln(sk, s_mean[bl], vals[TM + r], s_rstd[bl]);
@@ -980,26 +1004,39 @@ __global__ void __launch_bounds__(2 * MMA_MAX_WARPS * 32, 1) linear_mma_stream_k
                     } else {
                         bn = to_float(reinterpret_cast<const T*>(vals)[r]);
                     }
-                    v[k] = sk + bn;
+                    const float v = sk + bn;
                     if (n < N) {
-                        if (y != nullptr) y[static_cast<long long>(b0 + bl) * N + n] = from_float<OutT>(v[k]);
-                        keep_max(best_v, vi, v[k], n);
+                        if (y != nullptr) y[static_cast<long long>(b0 + bl) * N + n] = from_float<OutT>(v);
+                        keep_max(best_v, vi, v, n);
                     }
                 }
             }
             if constexpr (EPI == ARGMAX) {  // the row's best of this tile, then its running best
 #pragma unroll
-                for (int off = 2; off > 0; off >>= 1) {
-                    const float ov = __shfl_xor_sync(0xffffffffu, best_v, off, 4);
-                    const int oi = __shfl_xor_sync(0xffffffffu, vi, off, 4);
+                for (int off = 4; off > 0; off >>= 1) {
+                    const float ov = __shfl_xor_sync(0xffffffffu, best_v, off, 8);
+                    const int oi = __shfl_xor_sync(0xffffffffu, vi, off, 8);
                     keep_max(best_v, vi, ov, oi);
                 }
                 if (active && q == 0) keep_max(s_best[bl], s_best_n[bl], best_v, vi);
             }
         }
-        __syncthreads();  // the partial tiles and this tile's slot are free again
+    };
+
+    // Iteration i: tile i has landed (every thread's pieces: the barrier) and the slot of tile
+    // i - 2 and the buffer of tile i - 2 are read; tile i + AHEAD goes into that slot, tile i is
+    // multiplied into its buffer, tile i - 1 finished from the other.
+#pragma unroll 1
+    for (int i = 0; i <= my_tiles; ++i) {
+        cp_async_wait<AHEAD - 1>();  // this thread's pieces of tile i (groups in flight: tiles i .. i + AHEAD - 1)
+        __syncthreads();
+        issue_tile(i + AHEAD);
+        cp_async_commit();
+        if (i < my_tiles) multiply(i);
+        if (i > 0) finish(i - 1);
     }
     if constexpr (EPI == ARGMAX) {
+        __syncthreads();
         if (threadIdx.x < nb) {
             part_val[static_cast<long long>(b0 + threadIdx.x) * gridDim.x + blockIdx.x] = s_best[threadIdx.x];
             part_idx[static_cast<long long>(b0 + threadIdx.x) * gridDim.x + blockIdx.x] = s_best_n[threadIdx.x];

@@ -178,7 +178,7 @@ def test_streamed_lm_head_takes_its_shapes():
         B, N, K_, tile, xin, logits, lin._mma_warps(K_), sms, smem)
     assert all(take(B) for B in (17, 33, 64)) and take(40, xin=lin.X_PLAIN)
     assert not any(take(B) for B in (1, 8, 16, 65, 256))
-    assert not take(64, K_=SIZES["gpt2-xl"].n_embd)  # x and the ring exceed the shared memory
+    assert not take(64, K_=SIZES["gpt2-xl"].n_embd)  # 8 warps a group: blocks of more than 16 warps
     assert not take(64, N=3 * C) and not take(64, logits=False) and not take(64, tile=8)
     assert not take(64, xin=lin.X_LN)
     assert lin._stream_smem(C, kw, True) + lin._STREAM_STATIC_SMEM <= smem
