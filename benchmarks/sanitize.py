@@ -9,6 +9,7 @@ Sizes are chosen to hit ragged tiles and the scalar paths, and to stay quick und
 from __future__ import annotations
 
 import cupy as cp
+import cupyx
 import numpy as np
 
 import cupy_kernels as K
@@ -122,8 +123,10 @@ def main():
         K.sample(logits, seed=1, offset=0, temperature=0.9, top_k=40, top_p=0.9)
         K.sample(logits, seed=1, offset=0)
         K.kv_advance(cp.zeros(3, dtype=np.int32))
+        ring = cupyx.empty_pinned((3, 5), dtype=np.int32)  # (kept until the synchronize: the GPU writes it)
+        K.publish_tokens(cp.arange(5, dtype=np.int32), ring, cp.asarray([2], dtype=np.int32))
         K.read_floor(r(1001, 8, dtype=dtype), r(3, 8, dtype=dtype), blocks=7, threads=96)
-    cp.cuda.runtime.deviceSynchronize()
+        cp.cuda.runtime.deviceSynchronize()
     print("all kernels ran")
 
 

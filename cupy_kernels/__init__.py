@@ -17,7 +17,7 @@ from .kv_cache import kv_advance, kv_append, kv_storage_dtype
 from .layernorm import layernorm, layernorm_residual
 from .linear import fold_layernorm, linear, linear_argmax, linear_tiles
 from .read_floor import read_floor
-from .sampling import argmax, sample
+from .sampling import argmax, publish_tokens, sample
 from .softmax import softmax
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "linear",
     "linear_argmax",
     "linear_tiles",
+    "publish_tokens",
     "read_floor",
     "sample",
     "softmax",

@@ -17,6 +17,9 @@ _SRC = "sampling.cu"
 _THREADS = 1024
 
 _build.declare(_SRC, [f"{k}<{c}>" for k in ("argmax_kernel", "sample_kernel") for c in _build.CTYPES.values()])
+_PUBLISH = "publish_tokens_kernel"
+_PUBLISH_THREADS = 256  # sampling.cu's PUBLISH_THREADS
+_build.declare(_SRC, [_PUBLISH], pdl=True)
 
 
 def _logits(logits) -> cupy.ndarray:
@@ -77,3 +80,28 @@ def sample(logits, *, seed: int, offset=0, temperature: float = 1.0, top_k: int 
          f32(1.0 if top_p is None else top_p), u32(seed & 0xFFFFFFFF), u32(seed >> 32), offset),
     )
     return out
+
+
+def publish_tokens(tokens, ring, slot) -> None:
+    """Copy int32 ``tokens`` [B] into row ``slot[0]`` of ``ring`` [slots, B] and move
+    ``slot[0]`` on to ``(slot[0] + 1) % slots``, both on the GPU: ``ring`` is pinned host
+    memory (``cupyx.empty_pinned``, a C-contiguous int32 numpy array) that the kernel
+    writes directly, ``slot`` an int32 [1] GPU array holding a row index in [0, slots). A
+    recorded decode step ends with it, so the host reads each step's tokens from the ring
+    once an event after the step has fired, with no device-to-host copy in the stream."""
+    tokens = _checks.as_array(tokens, "tokens")
+    if tokens.dtype != numpy.int32 or tokens.ndim != 1 or not tokens.flags.c_contiguous:
+        raise TypeError(f"tokens must be a contiguous int32 [B] array, got {tokens.dtype} {tokens.shape}")
+    if not isinstance(ring, numpy.ndarray) or ring.dtype != numpy.int32 or ring.ndim != 2 or \
+            not ring.flags.c_contiguous or ring.shape[1] != tokens.shape[0] or ring.shape[0] < 1:
+        raise TypeError(f"ring must be a C-contiguous pinned int32 numpy array [slots, {tokens.shape[0]}]")
+    slot = _checks.as_array(slot, "slot")
+    if slot.dtype != numpy.int32 or slot.shape != (1,):
+        raise TypeError(f"slot must be an int32 GPU array of shape (1,), got {slot.dtype} {slot.shape}")
+    if tokens.shape[0] == 0:
+        return
+    ptr = cupy.cuda.runtime.pointerGetAttributes(ring.ctypes.data).devicePointer  # (0: not pinned)
+    if not ptr:
+        raise TypeError("ring must be pinned host memory (cupyx.empty_pinned)")
+    kern = _build.kernel(_SRC, _PUBLISH)
+    kern((1,), (_PUBLISH_THREADS,), (cupy.uint64(ptr), slot, tokens, i32(tokens.shape[0]), i32(ring.shape[0])))

@@ -552,6 +552,42 @@ def test_argmax(B, V, dtype):
     assert out.get().tolist() == np.argmax(xh, axis=1).tolist()
 
 
+@pytest.mark.parametrize("B", [1, 5, 300])
+def test_publish_tokens_into_the_pinned_ring(B):
+    """publish_tokens: each call's tokens land in row slot[0] of the pinned ring, written by
+    the GPU, and slot[0] moves on modulo the ring's rows; the other rows keep their values."""
+    import cupyx
+
+    rng = np.random.default_rng(B)
+    ring = cupyx.empty_pinned((3, B), dtype=np.int32)
+    ring[...] = -7
+    slot = cp.asarray([1], dtype=np.int32)
+    sent = [rng.integers(0, 50257, B).astype(np.int32) for _ in range(4)]
+    for toks in sent:
+        K.publish_tokens(cp.asarray(toks), ring, slot)
+    cp.cuda.Device().synchronize()
+    assert ring[1].tolist() == sent[3].tolist() and ring[2].tolist() == sent[1].tolist()
+    assert ring[0].tolist() == sent[2].tolist() and int(slot.get()[0]) == 2
+
+
+def test_publish_tokens_rejects_bad_arguments():
+    """Pageable host memory, a ring of the wrong width or dtype, a slot that is not int32 [1]:
+    TypeError before any launch."""
+    import cupyx
+
+    toks, slot = cp.arange(4, dtype=np.int32), cp.zeros(1, dtype=np.int32)
+    with pytest.raises(TypeError, match="pinned"):
+        K.publish_tokens(toks, np.zeros((2, 4), dtype=np.int32), slot)
+    with pytest.raises(TypeError, match="ring"):
+        K.publish_tokens(toks, cupyx.empty_pinned((2, 5), dtype=np.int32), slot)
+    with pytest.raises(TypeError, match="ring"):
+        K.publish_tokens(toks, cupyx.empty_pinned((2, 4), dtype=np.int64), slot)
+    with pytest.raises(TypeError, match="slot"):
+        K.publish_tokens(toks, cupyx.empty_pinned((2, 4), dtype=np.int32), cp.zeros(2, dtype=np.int32))
+    with pytest.raises(TypeError, match="tokens"):
+        K.publish_tokens(toks.astype(np.int64), cupyx.empty_pinned((2, 4), dtype=np.int32), slot)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 50, None), (1.3, None, 0.9),
                                                      (1.0, 40, 0.8), (0.5, 1, None), (1.0, None, 0.01)])
