@@ -48,7 +48,7 @@ def hf_model(size: str, dtype: torch.dtype, attn: str):
 
 
 def timed(fn, repeats: int) -> float:
-    """Best of ``repeats`` wall-clock seconds, after one short warm-up inside fn(True)."""
+    """Best of ``repeats`` wall-clock seconds, after one warm-up call fn(True)."""
     fn(True)
     best = float("inf")
     for _ in range(repeats):
@@ -118,8 +118,8 @@ def run_ours(size, dtype, cache, graph, repeats, batch=1):
     model = ours_model(size, dtype)
     prompts = [PROMPT] * batch if batch > 1 else PROMPT
 
-    def fn(warm):
-        out = model.generate(prompts, 8 if warm else NEW, use_cache=cache, cuda_graph=graph)
+    def fn(warm):  # (the warm-up makes as many tokens: its session, of the same cache bucket, is reused)
+        out = model.generate(prompts, NEW, use_cache=cache, cuda_graph=graph)
         return len(out[0] if batch > 1 else out)
 
     return timed(fn, repeats)
@@ -300,6 +300,7 @@ def main():
         row = {"bench": "e2e", "impl": impl, "dtype": dtype, "model": size, "batch": batch, "cache": cache,
                "graph": graph, "new_tokens": NEW, "seconds": round(s, 4), "tok_s": round(batch * NEW / s, 1), **extra}
         rows.append(row)
+        write_results("e2e", rows, ceilings)  # (after every row: a run cut short keeps what it measured)
         print(f"{impl:20s} {size:8s} {dtype:9s} B={batch:<4d} cache={cache!s:5s} graph={graph!s:5s} "
               f"{s:8.3f} s {batch * NEW / s:9.1f} tok/s {extra}", flush=True)
     for size in ("gpt2",) if args.quick else ("gpt2", "gpt2-xl"):
