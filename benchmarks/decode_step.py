@@ -182,36 +182,33 @@ def profile_step(model, batch: int, ceiling: float, replays: int, pdl_ok: bool) 
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from gpt2_cupy.engine import PREFETCH_LEAD, Session
+    from gpt2_cupy.engine import Session
 
     prompt_len = len(PROMPT)
     max_len = 1024
     rows_out, summary = [], {}
-    s = Session(model, batch, max_len, None, None, cuda_graph=False)
     for pdl in (True, False) if pdl_ok else (False,):  # the profile: without PDL, kernels do not overlap
-        for lead in (PREFETCH_LEAD, 0):  # the weights requested into L2 ahead (as generate runs it), or not
-            with s.stream:
-                s.cache.positions.set(np.full(batch, prompt_len, np.int32))
-                graph = s.capture(pdl, lead, publish=False)
-                # the cache holds garbage rows: timing only. Positions move on every replay:
-                # reset them before each timed batch of replays.
-                for _ in range(3):
+        s = Session(model, batch, max_len, None, None, cuda_graph=False)
+        with s.stream:
+            s.cache.positions.set(np.full(batch, prompt_len, np.int32))
+            graph = s.capture(pdl, publish=False)
+            # the cache holds garbage rows: timing only. Positions move on every replay:
+            # reset them before each timed batch of replays.
+            for _ in range(3):
+                graph.launch(s.stream)
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            times = []
+            for _ in range(5):
+                s.cache.positions.set(np.full(batch, prompt_len + 256, np.int32))
+                start.record(s.stream)
+                for _ in range(replays):
                     graph.launch(s.stream)
-                start, stop = cp.cuda.Event(), cp.cuda.Event()
-                times = []
-                for _ in range(5):
-                    s.cache.positions.set(np.full(batch, prompt_len + 256, np.int32))
-                    start.record(s.stream)
-                    for _ in range(replays):
-                        graph.launch(s.stream)
-                    stop.record(s.stream)
-                    stop.synchronize()
-                    times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / replays)
-            summary[f"step_us{'_pdl' if pdl else ''}{'' if lead else '_no_prefetch'}"] = round(
-                statistics.median(times), 2)
-    # the profile: the plain graph without the weights' requests into L2 (with PDL, a
-    # kernel's time would include its wait), captured inside the profiler, which then sees
-    # every kernel of every replay
+                stop.record(s.stream)
+                stop.synchronize()
+                times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / replays)
+            summary[f"step_us{'_pdl' if pdl else ''}"] = round(statistics.median(times), 2)
+    # the profile: the plain graph (with PDL, a kernel's time would include its wait),
+    # captured inside the profiler, which then sees every kernel of every replay
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         with s.stream:
             s.stream.begin_capture()

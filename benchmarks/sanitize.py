@@ -126,8 +126,6 @@ def main():
         ring = cupyx.empty_pinned((3, 5), dtype=np.int32)  # (kept until the synchronize: the GPU writes it)
         K.publish_tokens(cp.arange(5, dtype=np.int32), ring, cp.asarray([2], dtype=np.int32))
         K.read_floor(r(1001, 8, dtype=dtype), r(3, 8, dtype=dtype), blocks=7, threads=96)
-        big = r(333, 1001, dtype=dtype)
-        K.l2_prefetch([(big, 3, big.nbytes - 3), (big[5:], 100, 40)])
         cp.cuda.runtime.deviceSynchronize()
     print("all kernels ran")
 

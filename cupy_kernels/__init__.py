@@ -14,7 +14,6 @@ from .flash_attention import flash_attention
 from .gemm import gemm
 from .gelu import bias_add, bias_gelu
 from .kv_cache import kv_advance, kv_append, kv_storage_dtype
-from .l2_prefetch import l2_prefetch
 from .layernorm import layernorm, layernorm_residual
 from .linear import fold_layernorm, linear, linear_argmax, linear_tiles
 from .read_floor import read_floor
@@ -36,7 +35,6 @@ __all__ = [
     "kv_advance",
     "kv_append",
     "kv_storage_dtype",
-    "l2_prefetch",
     "layernorm",
     "layernorm_residual",
     "linear",

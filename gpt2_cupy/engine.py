@@ -44,12 +44,6 @@ MIN_CACHE = 64  # smallest cache-length bucket
 # 53,033 tok/s refilled one by one, 49,570 / 68,668 with 8 (benchmarks/results/
 # e2e_workload-h100.json; the first figures are in the file's previous commit).
 REFILL_FRACTION = 8
-# The step's CUDA graph requests the weights into L2 ahead of the products that read them
-# (cupy_kernels.l2_prefetch, launched on a branch of the graph beside the chain of kernels):
-# DRAM streams weights while the chain waits on attention and on its kernel boundaries, and
-# each product then reads its weights from L2. PREFETCH_LEAD: how far past the weights read so
-# far the requests run, as a share of the device's L2 (prefetch_schedule).
-PREFETCH_LEAD = 0.4
 
 
 def batch_bucket(B: int) -> int:
@@ -61,45 +55,6 @@ def length_bucket(n: int, n_positions: int) -> int:
     """Cache rows a session holds for sequences of up to n tokens: the next power of two
     (at least MIN_CACHE), at most the model's positions."""
     return min(n_positions, max(MIN_CACHE, 1 << (n - 1).bit_length()))
-
-
-def prefetch_schedule(step: _build.Plan, weights: list, lead: int) -> dict[int, list[tuple]]:
-    """Where a decode step's graph requests its weights into L2: {launch index: the ranges
-    (weight, start, nbytes) that ``cupy_kernels.l2_prefetch`` requests once that launch has
-    run}. The weights are one stream of bytes in the order the step reads them (``weights``,
-    each read by one launch of ``step``, in order). After the step's first launch the first
-    ``lead`` bytes are requested; after the launch that reads weight j, whatever of the next
-    ``lead`` bytes past the end of weight j was not requested before (what was not requested
-    of weight j itself, it has read). So the requests run at
-    most ``lead`` bytes ahead of the weights read (what L2 must hold besides), and with a lead
-    of at least the largest weight, each weight is requested once the launch that reads the
-    weight before it has run, at the latest."""
-    ends = numpy.cumsum([w.nbytes for w in weights]).tolist()
-    total = ends[-1]
-
-    def ranges(lo: int, hi: int) -> list[tuple]:  # the stream's bytes [lo, hi)
-        out = []
-        for w, end in zip(weights, ends):
-            a, b = max(lo, end - w.nbytes), min(hi, end)
-            if a < b:
-                out.append((w, a - (end - w.nbytes), b - a))
-        return out
-
-    schedule, frontier, nxt = {}, 0, 0
-    for i, launch in enumerate(step):
-        target = lead if i == 0 else 0
-        # the launch that reads the next weight of the stream (matched in order: the embedding
-        # reads rows of wte, which may be the LM head too)
-        if nxt < len(weights) and any(isinstance(a, cupy.ndarray) and a.data.ptr == weights[nxt].data.ptr
-                                      for a in launch.args):
-            frontier = max(frontier, ends[nxt])  # read already: no use requesting it now
-            target = max(target, ends[nxt] + lead)
-            nxt += 1
-        target = min(target, total)
-        if target > frontier:
-            schedule[i] = ranges(frontier, target)
-            frontier = target
-    return schedule
 
 
 def _emit(tokens, done: list[bool], eos_token_id) -> list[int | None]:
@@ -141,8 +96,7 @@ class Session:
     """Buffers, cache, recorded launches and graph for one (batch, cache length, KV-cache
     dtype, sampling settings) bucket of one model, on a stream of its own."""
 
-    def __init__(self, model, batch: int, max_len: int, kv_dtype, sampling: dict | None, cuda_graph: bool,
-                 prefetch_lead: float = PREFETCH_LEAD):
+    def __init__(self, model, batch: int, max_len: int, kv_dtype, sampling: dict | None, cuda_graph: bool):
         from .model import KVCache
 
         self.batch, self.max_len = batch, max_len
@@ -158,57 +112,36 @@ class Session:
             self.slot = cupy.zeros(1, dtype=numpy.int32)
             with _build.recording() as self.publish:
                 K.publish_tokens(self.buf.tokens, self.pinned, self.slot)
-            # the weights' requests into L2, recorded once per lead (share of the L2) asked for
-            self._prefetch: dict[float, dict[int, _build.Plan]] = {}
-            self._side = cupy.cuda.Stream(non_blocking=True)  # the graph's branch that issues them
-            self._weights = model.step_weights()
         # (The step's rows split into groups replayed on parallel branches of one graph, each
         # group reading every weight, measured on the H100, GPT-2 small float16, 264 cached
         # keys, us a step, one group / two / four: batch 8 297 / 348, batch 64 658 / 697 / 882,
         # batch 256 2073 / 1930 / 2075; GPT-2 XL at 64 6016 / 5826. Not used.)
         self._next_slot = 0  # slot[0] once the steps queued so far have run
-        self.graph = self.capture(_build.pdl_supported(), prefetch_lead) if cuda_graph else None
+        # (The weights requested into L2 ahead of the products, by l2_prefetch launches on a
+        # branch of the graph beside the chain, were measured slower on the H100 at every lead
+        # (0.2 / 0.4 / 0.6 of the L2 past the weights read, against none; the step with PDL at 264
+        # cached keys, us): GPT-2 small float16 at batch 1 244.6 / 242.7 / 247.3 against 239.3, 64
+        # 636.7 / 638.7 / 645.1 against 608.3; GPT-2 XL at 1 2064.6 / 2158.3 / 2155.1 against
+        # 1873.7. The branch itself costs nothing: its 193 launches with 26 KB each left XL's step
+        # at 1882.1 us, as without them (1882.1; a 0.2 lead 2065.1, same run): the requests'
+        # traffic lengthens the chain, which waits on memory latency more than on bandwidth.
+        # Commit 20cfc30 holds the kernel, the schedule and benchmarks/l2_prefetch.py;
+        # benchmarks/results/l2_prefetch-h100.json its results.)
+        self.graph = self.capture(_build.pdl_supported()) if cuda_graph else None
         self.events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(LOOKAHEAD)]
         self.busy = False
         self._model, self._sampling, self._heads = model, sampling, {}
 
-    def prefetches(self, lead: float) -> dict[int, _build.Plan]:
-        """{step launch index: the recorded l2_prefetch that follows it} for requests
-        ``lead`` (a share of the device's L2) past the weights read so far."""
-        if lead not in self._prefetch:
-            l2 = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"]
-            plans = {}
-            with self.stream:
-                for i, ranges in prefetch_schedule(self.step, self._weights, int(lead * l2)).items():
-                    with _build.recording() as plans[i]:
-                        K.l2_prefetch(ranges)
-            self._prefetch[lead] = plans
-        return self._prefetch[lead]
-
-    def capture(self, pdl: bool, prefetch_lead: float = PREFETCH_LEAD, publish: bool = True):
-        """The decode step (and ``publish_tokens``) as a CUDA graph: its launches in order on
-        the session's stream, with programmatic dependent launch where ``pdl``; beside them,
-        on a branch forked after the launches of ``prefetches(prefetch_lead)`` (0: none),
-        the requests of the weights into L2, joined again at the end."""
-        side = self.prefetches(prefetch_lead) if prefetch_lead > 0 else {}
+    def capture(self, pdl: bool, publish: bool = True):
+        """The decode step (and ``publish_tokens``) as a CUDA graph on the session's stream,
+        with programmatic dependent launch where ``pdl``."""
         self.stream.synchronize()
         self.stream.begin_capture()
         try:
             with self.stream:
-                for i, launch in enumerate(self.step):
-                    _build.Plan([launch]).replay(pdl=pdl)
-                    if i in side:
-                        forked = cupy.cuda.Event(block=False, disable_timing=True)
-                        forked.record(self.stream)
-                        self._side.wait_event(forked)
-                        with self._side:
-                            side[i].replay()
+                self.step.replay(pdl=pdl)
                 if publish:
                     self.publish.replay(pdl=pdl)
-                if side:
-                    joined = cupy.cuda.Event(block=False, disable_timing=True)
-                    joined.record(self._side)
-                    self.stream.wait_event(joined)
         finally:
             graph = self.stream.end_capture()
         return graph

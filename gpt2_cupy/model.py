@@ -456,12 +456,6 @@ class GPT2:
             self.head(buf, sampling, stats, positions=cache.positions)
         return plan
 
-    def step_weights(self) -> list[cupy.ndarray]:
-        """The weight matrices a decode step reads, in the order it reads them: per block
-        q|k|v, attention projection, MLP up, MLP down; then the LM head."""
-        return [w for blk in self.blocks for w in (blk.attn_w, blk.attn_proj_w, blk.fc_w, blk.mlp_proj_w)] + [
-            self.lm_head]
-
     def _decode_attention_shape(self, cache: KVCache) -> tuple[int, int]:
         """(keys a chunk, threads a block) of the decode step's attention (record_step says why)."""
         cfg = self.config

@@ -11,7 +11,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled")]
 
 cp = pytest.importorskip("cupy")
 import cupy_kernels as K  # noqa: E402
-from cupy_kernels import _build  # noqa: E402
 from cupy_kernels import reference as ref  # noqa: E402
 from gpu_util import DTYPES, check, poisoned, rand  # noqa: E402
 
@@ -658,51 +657,6 @@ def test_read_floor_bad_inputs_raise():
         K.read_floor(cp.zeros(16, np.uint8), blocks=1, threads=48)
     with pytest.raises(ValueError, match="blocks"):
         K.read_floor(cp.zeros(16, np.uint8), blocks=0)
-
-
-def test_l2_prefetch_pieces_cover_the_ranges_and_leave_memory_alone():
-    from cupy_kernels.l2_prefetch import PIECE_BYTES, _pieces
-
-    rng = np.random.default_rng(7)
-    a = cp.asarray(rng.integers(0, 2**32, 200_003, dtype=np.uint32))  # 800,012 bytes
-    b = cp.asarray(rng.standard_normal(1001)).astype(np.float16)[3:]  # a view 6 bytes into its memory
-    before = (a.get(), b.get())
-    ranges = [(a, 5, 300_001), (a, 400_000, 400_012), (b, 0, b.nbytes), (a, 64, 0), (b, 7, 9)]
-    pieces = _pieces(ranges)
-    for arr, start, nbytes in ranges:  # each range: its whole 16-byte words, in pieces of at most PIECE_BYTES
-        lo, hi = -(-(arr.data.ptr + start) // 16) * 16, (arr.data.ptr + start + nbytes) // 16 * 16
-        mine = [(p, n) for p, n in pieces if lo <= p < hi]
-        assert sum(n for _, n in mine) == max(0, hi - lo)
-        assert all(p % 16 == 0 and 0 < n <= PIECE_BYTES and n % 16 == 0 and p + n <= hi for p, n in mine)
-    K.l2_prefetch(ranges)
-    cp.cuda.runtime.deviceSynchronize()
-    # inside a captured graph too, as the decode step issues it
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        with _build.recording() as plan:
-            K.l2_prefetch(ranges)
-        stream.begin_capture()
-        plan.replay()
-        graph = stream.end_capture()
-        graph.launch(stream)
-    stream.synchronize()
-    assert (a.get() == before[0]).all() and (b.get() == before[1]).all()
-
-
-def test_l2_prefetch_bad_inputs_raise():
-    a = cp.zeros(64, np.float32)
-    with pytest.raises(ValueError, match="inside"):
-        K.l2_prefetch([(a, 200, 100)])
-    with pytest.raises(ValueError, match="inside"):
-        K.l2_prefetch([(a, -16, 16)])
-    with pytest.raises(TypeError, match="tuple"):
-        K.l2_prefetch([a])
-    with pytest.raises(TypeError, match="integers"):
-        K.l2_prefetch([(a, 0.5, 16)])
-    with pytest.raises(ValueError, match="contiguous"):
-        K.l2_prefetch([(a.reshape(8, 8).T, 0, 16)])
-    with pytest.raises(TypeError, match="GPU"):
-        K.l2_prefetch([(np.zeros(4), 0, 16)])
 
 
 def test_dlpack_inputs_from_torch():

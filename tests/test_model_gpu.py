@@ -248,45 +248,6 @@ def test_engine_reuses_sessions_across_calls(small):
     assert model.generate(PROMPT, 20, cuda_graph=False) == first
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_step_requests_each_weight_into_l2_once_ahead_of_its_reader(small, dtype):
-    from gpt2_cupy.engine import PREFETCH_LEAD, Session, prefetch_schedule
-
-    hf, _ = small
-    model = GPT2.from_hf(hf, dtype)
-    s = Session(model, 1, 64, None, None, cuda_graph=False)
-    weights = model.step_weights()
-    ptrs = [w.data.ptr for w in weights]
-    readers = [i for i, launch in enumerate(s.step)  # the launch that reads each weight (not the embedding's wte)
-               if i > 0 and any(isinstance(a, cp.ndarray) and a.data.ptr in ptrs for a in launch.args)]
-    assert len(readers) == len(weights)
-    lead = max(w.nbytes for w in weights[:-1])
-    schedule = prefetch_schedule(s.step, weights, lead)
-    # the stream's bytes once each, in order, at most `lead` past the weights read
-    at, read, ends = 0, 0, np.cumsum([w.nbytes for w in weights])
-    for i in sorted(schedule):
-        read = sum(r <= i for r in readers)
-        for w, start, nbytes in schedule[i]:
-            j = ptrs.index(w.data.ptr)
-            assert ends[j] - w.nbytes + start == at and nbytes > 0
-            at += nbytes
-        assert at <= (ends[read - 1] if read else 0) + lead
-        if i > 0:  # each block's weights are all requested before the launch that reads them
-            assert all(readers[ptrs.index(w.data.ptr)] > i for w, _, _ in schedule[i])
-    assert at == min(ends[-1], ends[-2] + lead)
-    # the graph with the requests gives the tokens of the graph without them
-    with s.stream:
-        graphs = [s.capture(False, lead_share, publish=False) for lead_share in (PREFETCH_LEAD, 0)]
-        tokens = []
-        for g in graphs:
-            s.cache.positions.fill(3)
-            s.buf.tokens.fill(464)
-            for _ in range(4):
-                g.launch(s.stream)
-            tokens.append(s.buf.tokens.get())
-    assert tokens[0].tolist() == tokens[1].tolist()
-
-
 def test_abandoned_stream_leaves_the_model_usable(small):
     _, model = small
     expect = model.generate(PROMPT, 30)
