@@ -156,8 +156,7 @@ def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, in
     roles, li = [], 0
     for launch in plan:
         name = _kernel_name(launch)
-        if name in ("linear_kernel", "linear_mma_kernel", "linear_mma_ahead_kernel", "linear_mma_staged_kernel",
-                    "linear_mma_stream_kernel"):
+        if name in ("linear_kernel", "linear_mma_kernel", "linear_mma_ahead_kernel", "linear_mma_stream_kernel"):
             N, Kd = (int(a) for a in (launch.args[-2:] if name == "linear_kernel" else launch.args[-7:-5]))
             role = "lm_head" if N == cfg.vocab_size else layer[li % 4]
             li += role != "lm_head"
@@ -300,82 +299,6 @@ def bench_steps(cases, ceiling, replays, pdl_ok) -> tuple[list[dict], list[dict]
     return rows, summaries
 
 
-STAGED_MODES = ("rule", "off", "all")
-
-
-def staged_sweep(cases, ceiling, pdl_ok, rounds: int = 2) -> list[dict]:
-    """The step with the one-n-tile products' weights staged in shared memory before the wait
-    (linear_mma_staged_kernel) where the wrapper's rule takes it ("rule"), nowhere ("off"), and
-    wherever it can ("all"): us a step, CUDA events around 20 replays of the step's graph at
-    264 cached keys, the best of ``rounds`` passes over the modes (each pass the median of 5)."""
-    from gpt2_cupy import GPT2, SIZES
-    from gpt2_cupy.engine import Session
-    import transformers
-
-    rule = linear_mod._mma_staged
-
-    def chooser(mode):
-        def choose(*a):
-            if a[-1] is not None or mode == "rule":
-                return rule(*a)
-            if mode == "off":
-                return False
-            try:
-                return rule(*a[:-1], True)
-            except ValueError:
-                return False
-        return choose
-
-    rows = []
-    models = {}
-    for size, dtype, batch in cases:
-        if (size, dtype) not in models:
-            models.clear()
-            cp.get_default_memory_pool().free_all_blocks()
-            torch.manual_seed(0)
-            with torch.device("cuda"):
-                hf = transformers.GPT2LMHeadModel(SIZES[size].to_hf())
-            models[(size, dtype)] = GPT2.from_hf(hf, dtype)
-            del hf
-            torch.cuda.empty_cache()
-        model = models[(size, dtype)]
-        graphs, staged_launches = {}, {}
-        for mode in STAGED_MODES:
-            linear_mod._mma_staged = chooser(mode)
-            try:
-                s = Session(model, batch, 1024, None, None, cuda_graph=False)
-            finally:
-                linear_mod._mma_staged = rule
-            graphs[mode] = (s, s.capture(pdl_ok, publish=False))
-            staged_launches[mode] = sum(_kernel_name(launch) == "linear_mma_staged_kernel" for launch in s.step)
-        times = {mode: [] for mode in STAGED_MODES}
-        for _ in range(rounds):
-            for mode, (s, graph) in graphs.items():
-                with s.stream:
-                    for _ in range(3):
-                        graph.launch(s.stream)
-                    start, stop, runs = cp.cuda.Event(), cp.cuda.Event(), []
-                    for _ in range(5):
-                        s.cache.positions.set(np.full(batch, 264, np.int32))
-                        start.record(s.stream)
-                        for _ in range(20):
-                            graph.launch(s.stream)
-                        stop.record(s.stream)
-                        stop.synchronize()
-                        runs.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / 20)
-                times[mode].append(statistics.median(runs))
-        floor = decode_weight_bytes(model) / ceiling / 1e3
-        for mode in STAGED_MODES:
-            us = min(times[mode])
-            rows.append({"bench": "decode_step_staged", "model": size, "dtype": dtype, "batch": batch,
-                         "cache_rows": 264, "pdl": pdl_ok, "staged": mode, "staged_launches": staged_launches[mode],
-                         "step_us": round(us, 2), "step_us_runs": [round(t, 2) for t in times[mode]],
-                         "floor_us": round(floor, 2), "pct_floor": round(100 * floor / us, 1)})
-            print(rows[-1], flush=True)
-        del graphs
-    return rows
-
-
 def plot(rows, summaries, device: str | None = None):
     shown = [s for s in summaries if s["batch"] == 1]
     if not shown:
@@ -416,9 +339,6 @@ def main():
     p.add_argument("--steps", nargs="*", metavar="SIZE:DTYPE:BATCH",
                    help="decode steps to profile (default: every size and dtype at batch 1 and 8)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the picture from a results file")
-    p.add_argument("--staged-sweep", nargs="*", metavar="SIZE:DTYPE:BATCH",
-                   help="only the step with the products' weights staged in shared memory by the rule, nowhere and "
-                        "wherever possible (into decode_step_staged-<device>.json)")
     args = p.parse_args()
     if args.replot:
         import json
@@ -432,11 +352,6 @@ def main():
     ceiling = copy_ceiling_GBps()
     pdl_ok = _build.pdl_supported()
     print(f"copy ceiling {ceiling:.0f} GB/s; programmatic dependent launch: {pdl_ok}")
-    if args.staged_sweep is not None:
-        cases = [(c.split(":")[0], c.split(":")[1], int(c.split(":")[2])) for c in args.staged_sweep or
-                 ("gpt2:float16:1", "gpt2:float16:8", "gpt2-xl:float16:1", "gpt2-xl:float16:8")]
-        print(write_results("decode_step_staged", staged_sweep(cases, ceiling, pdl_ok), {"copy_GBps": round(ceiling, 1)}))
-        return
     rows = []
     if not args.skip_gemv:
         sizes = args.gemv_sizes or (["gpt2"] if args.quick else ["gpt2", "gpt2-xl"])

@@ -88,10 +88,6 @@ def main():
                     K.linear(x, wt, bias, residual=res, out=res, stats_out=cp.empty((B, -(-N // 16), 2), np.float32),
                              ahead=True)
                     K.linear(x, wt, bias, gelu=True, ahead=True)
-                    # ... or with all of W in shared memory before the wait (staged)
-                    K.linear(x, wt, bias, residual=res, out=res, stats_out=cp.empty((B, -(-N // 16), 2), np.float32),
-                             staged=True)
-                    K.linear(x, wt, ln_fold=(stats, u, c, 1e-5), gelu=True, staged=True)
             H, D = 2, Kd // 6 if Kd % 6 == 0 else 0
             if D:  # the q|k|v product into a cache
                 kc, vc = r(B, H, 9, D, dtype=dtype), r(B, H, 9, D, dtype=dtype)

@@ -84,9 +84,6 @@ def _name(c_type: str, out_type: str, vec: int, tile: tuple[int, int], br: int, 
 # (each block by itself), or uses them with their LayerNorm folded into W and the epilogue
 X_PLAIN, X_LN, X_LN_FOLD = 0, 1, 2
 STATS_COLS = 16  # outputs of a row per set of row statistics (a block's tile of W)
-# (what linear_mma_staged_kernel does with x, epilogue) of its specializations: outputs in x's dtype
-_STAGED_VARIANTS = ((X_PLAIN, "store"), (X_PLAIN, "gelu"), (X_PLAIN, "residual"), (X_PLAIN, "qkv_cache"),
-                    (X_LN_FOLD, "store"), (X_LN_FOLD, "gelu"), (X_LN_FOLD, "qkv_cache"))
 
 
 def _mma_name(c_type: str, out_type: str, nt: int, u: int, xin: int, epi: str, mt: int = 1) -> str:
@@ -95,10 +92,6 @@ def _mma_name(c_type: str, out_type: str, nt: int, u: int, xin: int, epi: str, m
 
 def _mma_ahead_name(c_type: str, u: int, epi: str) -> str:
     return f"linear_mma_ahead_kernel<{c_type}, {c_type}, {u}, {_EPI[epi]}>"
-
-
-def _mma_staged_name(c_type: str, xin: int, epi: str) -> str:
-    return f"linear_mma_staged_kernel<{c_type}, {c_type}, {xin}, {_EPI[epi]}>"
 
 
 def _mma_stream_name(c_type: str, xin: int, epi: str) -> str:
@@ -145,9 +138,6 @@ _build.declare(
     ]
     + [  # one n-tile with W a batch ahead, a block an SM (_mma_ahead)
         _mma_ahead_name(c, u, epi) for c in _HALVES for u in _MMA_BATCH[1] for epi in ("store", "gelu", "residual")
-    ]
-    + [  # one n-tile with every chunk of W in shared memory before the wait (_mma_staged)
-        _mma_staged_name(c, xin, epi) for c in _HALVES for xin, epi in _STAGED_VARIANTS
     ]
     + [  # W streamed through shared memory: float logits of tall weights for 17 to 64 rows (_mma_stream)
         _mma_stream_name(c, xin, epi) for c in _HALVES for xin in (X_PLAIN, X_LN_FOLD) for epi in ("store", "argmax")
@@ -405,7 +395,14 @@ def _mma_ahead(B: int, N: int, K: int, nt: int, u: int, kw: int, xin: int, mt: i
     has one and a half batches a warp: not taken). (Spreading a tile's warps over the blocks of
     a thread block cluster instead, meeting in distributed shared memory with the same bits,
     lost: GPT-2 small's attention projection 2.27 / 2.31 us with 2 / 4 blocks against 1.61, XL's
-    MLP down 12.56 / 11.97 against 11.97; the step at B = 1 252-255 against 247-249 us.)"""
+    MLP down 12.56 / 11.97 against 11.97; the step at B = 1 252-255 against 247-249 us. Every
+    chunk of W a block multiplies requested into shared memory before the wait, by cp.async,
+    where a warp has more chunks than a batch of registers (commit 990294d), lost too: the step
+    at B = 1 343.1 against 240.1 us for GPT-2 small (its 12 MLP downs staged), 2240.0 against
+    1868.2 for XL; with the same split of L1 and shared memory asked for every kernel of the
+    step (the most shared memory) 270.5 against 266.4 and 2273.1 against 2266.7: a kernel that
+    needs a larger shared-memory split than the kernels around it makes the SMs drain between
+    them. benchmarks/results/decode_step_staged-h100.json, decode_step_carveout-h100.json.)"""
     able = xin == X_PLAIN and nt == 1 and mt == 1 and own_out and epi in ("store", "gelu", "residual")
     if ahead is not None:
         if ahead and not able:
@@ -413,29 +410,6 @@ def _mma_ahead(B: int, N: int, K: int, nt: int, u: int, kw: int, xin: int, mt: i
                              "in x's dtype and no argmax or kv_cache")
         return bool(ahead)
     return able and _build.cdiv(N, 16) * _build.cdiv(B, 8) <= sms and _build.cdiv(K, 32) >= 2 * u * kw
-
-
-def _staged_smem(K: int, kw: int, smem: int) -> int:
-    """Dynamic shared memory of linear_mma_staged_kernel: the plain kernel's (``smem``) rounded
-    up to 16 bytes, then 1 KiB for each chunk of 32 columns a warp takes (16 rows of W)."""
-    return _build.cdiv(smem, 16) * 16 + kw * _build.cdiv(_build.cdiv(K, 32), kw) * 1024
-
-
-def _mma_staged(B: int, N: int, K: int, nt: int, u: int, kw: int, xin: int, mt: int, epi: str, own_out: bool,
-                smem: int, smem_limit: int, staged) -> bool:
-    """Whether one n-tile runs with every chunk of W in shared memory before the wait
-    (linear_mma_staged_kernel): x plain or folded, outputs in x's dtype, no argmax, where the
-    staged W fits the block's shared memory; by default where a warp has more chunks of a row
-    than a batch of registers (``u``) holds, so that the plain kernel would request the rest
-    after the wait. Never changes the numbers. ``staged``: the caller's choice, or None."""
-    able = (nt == 1 and mt == 1 and own_out and (xin, epi) in _STAGED_VARIANTS
-            and _staged_smem(K, kw, smem) <= smem_limit)
-    if staged is not None:
-        if staged and not able:
-            raise ValueError("staged=True takes at most 8 rows of x, x plain or ln_fold (no ln), outputs in x's "
-                             "dtype, no argmax, and a weight row that fits the GPU's shared memory")
-        return bool(staged)
-    return able and _build.cdiv(_build.cdiv(K, 32), kw) > u
 
 
 def _stream_smem(K: int, kw: int, fold: bool) -> int:
@@ -482,8 +456,7 @@ def _mma_stream(B: int, N: int, K: int, tile, xin: int, logits: bool, kw: int, s
             and all(a.data.ptr % 16 == 0 for a in consts if a is not None))  # (bias, u, c: 16-byte copies)
 
 
-def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats, ahead=None,
-                staged=None):
+def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats, ahead=None):
     fold, stats_out = stats
     sms = _build.sm_count(cupy.cuda.Device().id)
     logits = out_type == "float" and epi in ("store", "argmax")
@@ -497,11 +470,7 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
         smem, xs_stride = _stream_smem(K, kw, xin == X_LN_FOLD), _xs_stride(K)
         blocks, grid_y, threads = min(_build.cdiv(N, 16), sms), _build.cdiv(B, STREAM_ROWS), 32 * STREAM_GROUPS * kw
     else:
-        own = out_type == _build.ctype(x.dtype)
-        if _mma_staged(B, N, K, nt, u, kw, xin, mt, epi, own, smem, _build.smem_optin(), staged):
-            kern = _build.kernel(_SRC, _mma_staged_name(_build.ctype(x.dtype), xin, epi))
-            smem = _staged_smem(K, kw, smem)
-        elif _mma_ahead(B, N, K, nt, u, kw, xin, mt, epi, own, sms, ahead):
+        if _mma_ahead(B, N, K, nt, u, kw, xin, mt, epi, out_type == _build.ctype(x.dtype), sms, ahead):
             kern = _build.kernel(_SRC, _mma_ahead_name(_build.ctype(x.dtype), u, epi))
         else:
             kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, xin, epi, mt))
@@ -519,7 +488,7 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
 
 
 def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats=(None, None),
-            ahead=None, staged=None):
+            ahead=None):
     """Launches the product (tensor cores for 16-bit vector rows, else CUDA cores); returns
     its number of blocks and the argmax partials, made by ``part(blocks)`` when given.
     ``stats``: (ln_fold as (stats, u, c, eps), row statistics to write), tensor cores only."""
@@ -527,9 +496,9 @@ def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, til
     _check_tile(tile, warps, mma)
     if mma:
         return _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats,
-                           ahead, staged)
-    if ahead or staged:
-        raise ValueError("ahead=True and staged=True run on tensor cores: float16 / bfloat16 rows of 16-byte vectors")
+                           ahead)
+    if ahead:
+        raise ValueError("ahead=True runs on tensor cores: float16 / bfloat16 rows of 16-byte vectors")
     if any(a is not None for a in stats):
         raise TypeError("ln_fold and stats_out need float16 / bfloat16 rows of 16-byte vectors (K % 8 == 0, "
                         "16-byte aligned): the tensor-core product")
@@ -623,8 +592,7 @@ def _stats_args(ln_fold, B: int, N: int, K: int, bias=None, ln=None, residual=No
 
 
 def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, residual=None, stats_out=None,
-           kv_cache=None, out_dtype=None, out=None, tile=None, warps=None, ahead=None,
-           staged=None) -> cupy.ndarray:
+           kv_cache=None, out_dtype=None, out=None, tile=None, warps=None, ahead=None) -> cupy.ndarray:
     """``y = act(norm(x) @ weight.T + bias)``, for a few rows of x.
 
     x: [B, K] contiguous; weight: [N, K] (out, in) contiguous; bias: [N] or None.
@@ -652,10 +620,7 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
     of x per pass (MMA_TILES, never changes the numbers) and ``warps`` the warps that split
     K (1 to MMA_MAX_WARPS), which sets the summation order: a benchmark's knob. ``ahead``
     (tensor cores, one n-tile): whether each warp requests its next batch of W before it
-    multiplies this one (never changes the numbers; chosen by shape when None). ``staged``
-    (tensor cores, one n-tile): whether every chunk of W the block multiplies is requested
-    into shared memory before the kernel waits for the one ahead (never changes the numbers;
-    chosen by shape when None; it takes precedence over ``ahead``).
+    multiplies this one (never changes the numbers; chosen by shape when None).
     """
     x, weight, bias, ln, B, N, K = _prepare(x, weight, bias, ln)
     out_dtype = numpy.dtype(x.dtype if out_dtype is None else out_dtype)
@@ -686,7 +651,7 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
         raise ValueError("x has no features (K = 0)")
     epi = "residual" if residual is not None else "qkv_cache" if kv is not None else "gelu" if gelu else "store"
     _launch(x, weight, bias, ln, residual, out, None, kv, _build.ctype(out_dtype), epi, B, N, K, tile, warps, stats,
-            ahead, staged)
+            ahead)
     return out
 
 

@@ -559,22 +559,14 @@ template <int NT, int U, int XIN, int EPI, int MT> constexpr int mma_min_blocks(
     y, x, W, bias, ln_w, ln_b, eps, res, part_val, part_idx, k_cache, v_cache, positions, seq_lens, H, S_max, B, N, \
         K, xs_stride, stats_in, stats_out, fold_u, fold_c
 
-// Bytes of dynamic shared memory ahead of the staged W (STAGED): the partial tiles, or the rows'
-// statistics where they are larger (X_LN_FOLD), rounded up to 16 (linear.py's _mma_plan).
-__device__ __forceinline__ int staged_w_offset(int KW, int MT, int COLS, int xin_fold_sets) {
-    return ((max(KW * MT * COLS * RED_STRIDE * 4, xin_fold_sets * 8) + 15) / 16) * 16;
-}
-
 // The product. AHEAD: each warp requests its next batch of W before it multiplies this one
-// (W_AHEAD, or linear_mma_ahead_kernel). STAGED: every chunk of W the block multiplies is
-// requested into shared memory before the wait (linear_mma_staged_kernel).
-template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT, bool AHEAD, bool STAGED = false>
+// (W_AHEAD, or linear_mma_ahead_kernel).
+template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT, bool AHEAD>
 __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
     constexpr int COLS = 8 * NT;  // rows of x per block
     constexpr int TM = 16 * MT;   // rows of W per block
     static_assert(MT == 1 || EPI == STORE || EPI == ARGMAX, "several m-tiles: the LM head's epilogues");
     constexpr bool LN = XIN == X_LN;
-    static_assert(!STAGED || (NT == 1 && MT == 1 && !LN && !AHEAD), "staged W: one n-tile and m-tile, no prologue");
     extern __shared__ float4 smem4[];
     const int KW = blockDim.x >> 5;
     const int n_sets = (K + 15) / 16;  // X_LN_FOLD: statistics sets of a row
@@ -607,22 +599,8 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
         wb_p[mt] = W + static_cast<long long>(row_b[mt] ? ra + 8 : 0) * K + 8 * t;
     }
 
-    // STAGED: [warp][chunk j][lane][row g, g + 8] 16-byte pieces, each written and read by its own thread
-    const int staged_chunks = (n_chunks + KW - 1) / KW;
-    uint4* w_stage = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(smem4) +
-                                              staged_w_offset(KW, MT, COLS, XIN == X_LN_FOLD ? COLS * n_sets : 0)) +
-                     (warp * staged_chunks * 32 + lane) * 2;
     uint4 wa[MT][U], wb[MT][U];  // this batch's chunks of rows g and g + 8 of each m-tile
     auto load_w = [&](uint4 (&a)[MT][U], uint4 (&b)[MT][U], int j0) {
-        if constexpr (STAGED) {  // from this thread's pieces in shared memory (zeros past the rows and K)
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const bool ok = j0 + u < my_chunks;
-                a[0][u] = ok ? w_stage[(j0 + u) * 64] : make_uint4(0, 0, 0, 0);
-                b[0][u] = ok ? w_stage[(j0 + u) * 64 + 1] : make_uint4(0, 0, 0, 0);
-            }
-            return;
-        }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int j = j0 + u, col = 32 * (warp + j * KW);
@@ -635,17 +613,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
         }
     };
     // before the wait: only what no kernel of the step writes (weights, bias, LN parameters)
-    if constexpr (STAGED) {  // every chunk of this thread, by cp.async (its own group, the oldest)
-        for (int j = 0; j < my_chunks; ++j) {
-            const int col = 32 * (warp + j * KW);
-            const bool ok = col + 8 * t < K;
-            cp_async_16(smem_addr(w_stage + j * 64), ok && row_a[0] ? wa_p[0] + col : W, ok && row_a[0] ? 16 : 0);
-            cp_async_16(smem_addr(w_stage + j * 64 + 1), ok && row_b[0] ? wb_p[0] + col : W, ok && row_b[0] ? 16 : 0);
-        }
-        cp_async_commit();
-    } else {
-        load_w(wa, wb, 0);
-    }
+    load_w(wa, wb, 0);
     if constexpr (XIN == X_LN_FOLD) {
         if (threadIdx.x < TM) {
             const bool in = m0 + threadIdx.x < N;
@@ -695,10 +663,6 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
         __syncthreads();
     }
 
-    if constexpr (STAGED) {  // this thread's pieces of W have landed (the epilogue's copies may not have)
-        cp_async_wait<1>();
-        load_w(wa, wb, 0);
-    }
     float acc[MT][NT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -852,19 +816,6 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
 template <typename T, typename OutT, int U, int EPI>
 __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, 1) linear_mma_ahead_kernel(LINEAR_MMA_PARAMS) {
     linear_mma<T, OutT, 1, U, X_PLAIN, EPI, 1, true>(LINEAR_MMA_ARGS);
-}
-
-// One n-tile (B <= 8) with every chunk of W the block multiplies requested into shared memory
-// before griddep_wait, each thread by cp.async its own pieces of linear_mma_kernel's fragments
-// (read back by the same thread: no barrier), for products whose warps have more chunks than
-// a batch of registers holds: the plain kernel requests the rest only after the wait, when the
-// batch before it is multiplied, each further batch a round trip to DRAM on the step's
-// critical path. The same fragments in the same mma order: the plain kernel's bits. Shared
-// memory: 1 KiB a chunk of 32 columns (16 rows of W), after the partial tiles.
-constexpr int STAGED_U = 4;  // chunks a batch read from shared memory into registers
-template <typename T, typename OutT, int XIN, int EPI>
-__global__ void __launch_bounds__(MMA_MAX_WARPS * 32, 1) linear_mma_staged_kernel(LINEAR_MMA_PARAMS) {
-    linear_mma<T, OutT, 1, STAGED_U, XIN, EPI, 1, false, true>(LINEAR_MMA_ARGS);
 }
 
 // The LM head of 17 to 64 rows of x (float logits stored, or reduced to the argmax), with W

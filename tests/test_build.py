@@ -141,6 +141,3 @@ def test_every_tensor_core_launch_shape_is_declared(sms, smem):
                             assert mt == 1 or logits
                             name = lin._mma_name("__half", out if out == "float" else "__half", nt, u, xin, epi, mt)
                             assert name in declared, (B, N, K, tile, ln, fold, name)
-                            if lin._mma_staged(B, N, K, nt, u, kw, xin, mt, epi, out != "float", smem_bytes, smem,
-                                               None):  # all of W in shared memory before the wait
-                                assert lin._mma_staged_name("__half", xin, epi) in declared, (B, N, K, xin, epi)

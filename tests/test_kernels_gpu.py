@@ -241,22 +241,21 @@ def test_linear_every_tile_gives_the_same_bits(dtype):
     (1, 768, 3072, "residual"), (1, 1600, 6400, "residual"), (5, 100, 1032, "gelu"), (8, 37, 4104, "store"),
     (3, 1000, 2056, "residual")])
 def test_linear_w_ahead_gives_the_same_bits(B, N, K_, variant, dtype):
-    """One n-tile with W a batch ahead (a block an SM), or with all of W in shared memory before
-    the wait (staged): the bits of the plain kernel, with the row statistics of a residual
-    product too; uneven chunks a warp (K = 1032, 4104), more tiles than SMs (N = 1000 at 132
-    SMs takes the plain kernel by default), a staged row of 200 KiB (K = 6400)."""
+    """One n-tile with W a batch ahead (a block an SM): the bits of the plain kernel, with the
+    row statistics of a residual product too; uneven chunks a warp (K = 1032, 4104), more tiles
+    than SMs (N = 1000 at 132 SMs takes the plain kernel by default)."""
     rng = np.random.default_rng(B * N + K_)
     x, w, b, kw, expect = _linear_case(rng, B, N, K_, variant, dtype)
     res = kw.pop("residual", None)
     outs, stats = [], []
-    for ahead, staged in ((None, None), (False, False), (True, False), (None, True)):
+    for ahead in (None, False, True):
         out = poisoned((B, N), dtype)
         st = None
         if res is not None:  # the residual stream updated in place, its statistics beside it
             out[...] = res
             st = poisoned((B, -(-N // 16), 2), np.float32)
             kw.update(residual=out, stats_out=st)
-        K.linear(x, w, b, out=out, ahead=ahead, staged=staged, **kw)
+        K.linear(x, w, b, out=out, ahead=ahead, **kw)
         check(out, expect, dtype)
         outs.append(out)
         stats.append(st)
@@ -339,10 +338,9 @@ def test_linear_layernorm_folded(B, K1, C, N, dtype):
     fold = (stats, u, c, 1e-5)
     pre = ref.linear(ref.layernorm(y, lwh, lbh, 1e-5), w2h, b2h)
     outs = []
-    shapes = [dict(tile=tile) for tile in (None, *K.linear_tiles(dtype))] + ([dict(staged=True)] if B <= 8 else [])
-    for shape in shapes:  # (staged: all of W in shared memory before the wait)
+    for tile in (None, *K.linear_tiles(dtype)):
         out = poisoned((B, N), dtype)
-        K.linear(res, wf, ln_fold=fold, gelu=True, out=out, **shape)
+        K.linear(res, wf, ln_fold=fold, gelu=True, out=out, tile=tile)
         check(out, ref.gelu_tanh(pre), dtype)
         outs.append(out)
     assert all(cp.array_equal(o, outs[0]) for o in outs[1:])
@@ -363,21 +361,17 @@ def test_linear_layernorm_folded(B, K1, C, N, dtype):
     # q|k|v into the cache
     if N % 3 == 0 and (N // 3) % 64 == 0:
         H, S_max = N // 3 // 64, 9
+        k_cache, v_cache = poisoned((B, H, S_max, 64), dtype), poisoned((B, H, S_max, 64), dtype)
         positions = cp.asarray(rng.integers(0, S_max, B), dtype=np.int32)
-        got = []
-        for staged in (None, True) if B <= 8 else (None,):
-            k_cache, v_cache = poisoned((B, H, S_max, 64), dtype), poisoned((B, H, S_max, 64), dtype)
-            out = poisoned((B, N), dtype)
-            K.linear(res, wf, ln_fold=fold, out=out, staged=staged, kv_cache={
-                "k_cache": k_cache, "v_cache": v_cache, "positions": positions, "seq_lens": cp.zeros(B, np.int32)})
-            check(out, pre, dtype)
-            qkv = out.reshape(B, 3, H, 64)
-            at = positions.get()
-            for i in range(B):
-                assert cp.array_equal(k_cache[i, :, int(at[i])], qkv[i, 1])
-                assert cp.array_equal(v_cache[i, :, int(at[i])], qkv[i, 2])
-            got.append(out)
-        assert all(cp.array_equal(o, got[0]) for o in got[1:])
+        out = poisoned((B, N), dtype)
+        K.linear(res, wf, ln_fold=fold, out=out, kv_cache={
+            "k_cache": k_cache, "v_cache": v_cache, "positions": positions, "seq_lens": cp.zeros(B, np.int32)})
+        check(out, pre, dtype)
+        qkv = out.reshape(B, 3, H, 64)
+        at = positions.get()
+        for i in range(B):
+            assert cp.array_equal(k_cache[i, :, int(at[i])], qkv[i, 1])
+            assert cp.array_equal(v_cache[i, :, int(at[i])], qkv[i, 2])
 
 
 def test_linear_folded_layernorm_bad_inputs_raise():
@@ -535,14 +529,6 @@ def test_linear_bad_inputs_raise():
         K.linear(xh, wh, ln=(ln[0].astype(np.float16), ln[1].astype(np.float16), 1e-5), ahead=True)
     with pytest.raises(ValueError, match="at most 8 rows"):
         K.linear(cp.ones((20, 64), np.float16), wh, tile=2, ahead=True)
-    with pytest.raises(ValueError, match="tensor cores"):
-        K.linear(x, w, staged=True)
-    with pytest.raises(ValueError, match="no ln"):
-        K.linear(xh, wh, ln=(ln[0].astype(np.float16), ln[1].astype(np.float16), 1e-5), staged=True)
-    with pytest.raises(ValueError, match="at most 8 rows"):
-        K.linear(cp.ones((20, 64), np.float16), wh, tile=2, staged=True)
-    with pytest.raises(ValueError, match="shared memory"):  # a row of W too wide to stage
-        K.linear(cp.ones((1, 131072), np.float16), cp.ones((16, 131072), np.float16), staged=True)
     with pytest.raises(TypeError, match="logits"):
         K.linear_argmax(x, w, logits=cp.empty((2, 10), np.float16))
     with pytest.raises(ValueError, match="out"):
