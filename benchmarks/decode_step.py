@@ -23,6 +23,9 @@
 
 Writes benchmarks/results/decode_step-<device>.json and decode_step-<device>.png
 (``--replot FILE`` redraws the picture from a results file, without a GPU).
+``--carveout-sweep [SIZE:DTYPE:BATCH ...]``: only the step with every kernel's split of L1 and
+shared memory set alike at several splits, against the driver's choice, and each kernel's
+registers, shared memory and blocks an SM (decode_step_carveout-<device>.json).
 """
 
 from __future__ import annotations
@@ -299,6 +302,81 @@ def bench_steps(cases, ceiling, replays, pdl_ok) -> tuple[list[dict], list[dict]
     return rows, summaries
 
 
+def _blocks_per_sm(kern, threads: int, smem: int) -> int | None:
+    """Blocks of ``kern`` an SM holds at once (the driver's occupancy calculator), or None."""
+    try:
+        from cuda.bindings import driver
+
+        err, n = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(driver.CUfunction(kern.kernel.ptr), threads, smem)
+        return int(n) if err == driver.CUresult.CUDA_SUCCESS else None
+    except ImportError:
+        return None
+
+
+def carveout_sweep(cases, ceiling, pdl_ok, carveouts=(None, 0, 8, 15, 30, 100), rounds: int = 2) -> list[dict]:
+    """The step with every kernel's preferred split of the SM's L1 and shared memory
+    (``preferred_shared_memory_carveout``, percent of the most shared memory) set alike, or
+    left to the driver (None): us a step, CUDA events around 20 replays of its graph at 264
+    cached keys, the best of ``rounds`` passes (each the median of 5). Beside it, each kernel's
+    registers, threads, shared memory a block and blocks an SM."""
+    from gpt2_cupy import GPT2, SIZES
+    from gpt2_cupy.engine import Session
+    import transformers
+
+    rows, models = [], {}
+    for size, dtype, batch in cases:
+        if (size, dtype) not in models:
+            models.clear()
+            cp.get_default_memory_pool().free_all_blocks()
+            torch.manual_seed(0)
+            with torch.device("cuda"):
+                hf = transformers.GPT2LMHeadModel(SIZES[size].to_hf())
+            models[(size, dtype)] = GPT2.from_hf(hf, dtype)
+            del hf
+            torch.cuda.empty_cache()
+        s = Session(models[(size, dtype)], batch, 1024, None, None, cuda_graph=False)
+        kernels = {}  # one launch of each specialization and launch shape
+        for launch in s.step:
+            kernels.setdefault((launch.kernel.name, launch.block, launch.shared_mem), launch)
+        kernels = {launch.kernel: launch for launch in kernels.values()}
+        for k, launch in kernels.items():
+            threads = int(np.prod(launch.block))
+            rows.append({"bench": "decode_step_kernel_resources", "model": size, "dtype": dtype, "batch": batch,
+                         "kernel": _kernel_name(launch), "registers": k.num_regs, "threads": threads,
+                         "smem_bytes": k.shared_size_bytes + launch.shared_mem,
+                         "blocks_per_sm": _blocks_per_sm(k, threads, launch.shared_mem)})
+            print(rows[-1], flush=True)
+        times = {co: [] for co in carveouts}
+        try:
+            for _ in range(rounds):
+                for co in carveouts:
+                    for k in kernels:
+                        k.preferred_shared_memory_carveout = -1 if co is None else co
+                    graph = s.capture(pdl_ok, publish=False)
+                    with s.stream:
+                        for _ in range(3):
+                            graph.launch(s.stream)
+                        start, stop, runs = cp.cuda.Event(), cp.cuda.Event(), []
+                        for _ in range(5):
+                            s.cache.positions.set(np.full(batch, 264, np.int32))
+                            start.record(s.stream)
+                            for _ in range(20):
+                                graph.launch(s.stream)
+                            stop.record(s.stream)
+                            stop.synchronize()
+                            runs.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / 20)
+                    times[co].append(statistics.median(runs))
+        finally:
+            for k in kernels:
+                k.preferred_shared_memory_carveout = -1
+        for co in carveouts:
+            rows.append({"bench": "decode_step_carveout", "model": size, "dtype": dtype, "batch": batch,
+                         "cache_rows": 264, "pdl": pdl_ok, "carveout": co, "step_us": round(min(times[co]), 2),
+                         "step_us_runs": [round(t, 2) for t in times[co]]})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def plot(rows, summaries, device: str | None = None):
     shown = [s for s in summaries if s["batch"] == 1]
     if not shown:
@@ -339,6 +417,9 @@ def main():
     p.add_argument("--steps", nargs="*", metavar="SIZE:DTYPE:BATCH",
                    help="decode steps to profile (default: every size and dtype at batch 1 and 8)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the picture from a results file")
+    p.add_argument("--carveout-sweep", nargs="*", metavar="SIZE:DTYPE:BATCH",
+                   help="only the step with every kernel's split of L1 and shared memory set alike, at several "
+                        "splits (into decode_step_carveout-<device>.json)")
     args = p.parse_args()
     if args.replot:
         import json
@@ -352,6 +433,12 @@ def main():
     ceiling = copy_ceiling_GBps()
     pdl_ok = _build.pdl_supported()
     print(f"copy ceiling {ceiling:.0f} GB/s; programmatic dependent launch: {pdl_ok}")
+    if args.carveout_sweep is not None:
+        cases = [(c.split(":")[0], c.split(":")[1], int(c.split(":")[2])) for c in args.carveout_sweep or
+                 ("gpt2:float16:1", "gpt2:float16:8", "gpt2-xl:float16:1")]
+        print(write_results("decode_step_carveout", carveout_sweep(cases, ceiling, pdl_ok),
+                            {"copy_GBps": round(ceiling, 1)}))
+        return
     rows = []
     if not args.skip_gemv:
         sizes = args.gemv_sizes or (["gpt2"] if args.quick else ["gpt2", "gpt2-xl"])
