@@ -181,6 +181,26 @@ def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, in
     return roles
 
 
+def step_replay_us(s, graph, cached: int, replays: int = 20) -> float:
+    """us a step of ``graph`` (session ``s``'s decode step): CUDA events around ``replays``
+    replays, median of 5, each batch of replays from ``cached`` cached keys (the cache holds
+    garbage rows: timing only; positions move on every replay), after 3 warm-up replays."""
+    with s.stream:
+        for _ in range(3):
+            graph.launch(s.stream)
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        times = []
+        for _ in range(5):
+            s.cache.positions.set(np.full(s.batch, cached, np.int32))
+            start.record(s.stream)
+            for _ in range(replays):
+                graph.launch(s.stream)
+            stop.record(s.stream)
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / replays)
+    return statistics.median(times)
+
+
 def profile_step(model, batch: int, ceiling: float, replays: int, pdl_ok: bool) -> tuple[list[dict], dict]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -194,22 +214,8 @@ def profile_step(model, batch: int, ceiling: float, replays: int, pdl_ok: bool) 
         s = Session(model, batch, max_len, None, None, cuda_graph=False)
         with s.stream:
             s.cache.positions.set(np.full(batch, prompt_len, np.int32))
-            graph = s.capture(pdl, publish=False)
-            # the cache holds garbage rows: timing only. Positions move on every replay:
-            # reset them before each timed batch of replays.
-            for _ in range(3):
-                graph.launch(s.stream)
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            times = []
-            for _ in range(5):
-                s.cache.positions.set(np.full(batch, prompt_len + 256, np.int32))
-                start.record(s.stream)
-                for _ in range(replays):
-                    graph.launch(s.stream)
-                stop.record(s.stream)
-                stop.synchronize()
-                times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / replays)
-            summary[f"step_us{'_pdl' if pdl else ''}"] = round(statistics.median(times), 2)
+        graph = s.capture(pdl, publish=False)
+        summary[f"step_us{'_pdl' if pdl else ''}"] = round(step_replay_us(s, graph, prompt_len + 256, replays), 2)
     # the profile: the plain graph (with PDL, a kernel's time would include its wait),
     # captured inside the profiler, which then sees every kernel of every replay
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -352,20 +358,7 @@ def carveout_sweep(cases, ceiling, pdl_ok, carveouts=(None, 0, 8, 15, 30, 100), 
                 for co in carveouts:
                     for k in kernels:
                         k.preferred_shared_memory_carveout = -1 if co is None else co
-                    graph = s.capture(pdl_ok, publish=False)
-                    with s.stream:
-                        for _ in range(3):
-                            graph.launch(s.stream)
-                        start, stop, runs = cp.cuda.Event(), cp.cuda.Event(), []
-                        for _ in range(5):
-                            s.cache.positions.set(np.full(batch, 264, np.int32))
-                            start.record(s.stream)
-                            for _ in range(20):
-                                graph.launch(s.stream)
-                            stop.record(s.stream)
-                            stop.synchronize()
-                            runs.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / 20)
-                    times[co].append(statistics.median(runs))
+                    times[co].append(step_replay_us(s, s.capture(pdl_ok, publish=False), 264))
         finally:
             for k in kernels:
                 k.preferred_shared_memory_carveout = -1
