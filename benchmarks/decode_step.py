@@ -110,8 +110,9 @@ def bench_gemv(sizes, dtypes, ceiling, pdl_ok, sweep_dtypes, batches=(1,)) -> li
 
             shapes = [{}]  # launch-shape overrides: the default first
             if dtype in sweep_dtypes and s == 2 and B == 1:  # tensor cores: the warps that split K, and
-                shapes += [{"warps": wp} for wp in (2, 4, 8)]  # W a batch ahead or not
-                shapes += [{"ahead": a} for a in (False, True)]
+                shapes += [{"warps": wp} for wp in (2, 4, 8, 16)]  # W a batch ahead or not
+                shapes += [{"ahead": a} for a in (False, True)  # (W ahead: blocks of at most 8 warps)
+                           if not a or linear_mod._mma_warps(Kd) <= linear_mod.MMA_NARROW_WARPS]
             elif dtype in sweep_dtypes and s == 2:  # n-tiles of 8 rows of x per block
                 shapes += [{"tile": t} for t in linear_mod.MMA_TILES]
             elif dtype in sweep_dtypes:

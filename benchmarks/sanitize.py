@@ -94,6 +94,12 @@ def main():
                 K.linear(x, r(3 * H * D, Kd, dtype=dtype), ln=ln, kv_cache={
                     "k_cache": kc, "v_cache": vc, "positions": cp.arange(B, dtype=np.int32) % 9,
                     "seq_lens": cp.zeros(B, dtype=np.int32)})
+        if dtype != np.float32:  # rows split over 16 warps (K > 3840), one n-tile and several
+            xw, ww, bw = r(9, 4104, dtype=dtype), r(40, 4104, dtype=dtype), r(40, dtype=dtype)
+            for tile in K.linear_tiles(dtype):
+                res = r(9, 40, dtype=dtype)
+                K.linear(xw, ww, bw, residual=res, out=res, stats_out=cp.empty((9, 3, 2), np.float32), tile=tile)
+            K.linear(xw[:1], ww, bw, gelu=True)
         if dtype != np.float32:  # float logits of a tall weight for 40 rows: W streamed through shared memory
             import importlib     # (by default), and two m-tiles a block (tile=8), the last one partly past N
 

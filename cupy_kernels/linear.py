@@ -44,7 +44,8 @@ _MMA_BATCH = {1: (4, 8), 2: (4,), 4: (2,), 8: (1,)}
 # (NT, U) of the LayerNorm-prologue variants: one n-tile at U = 8 (128 registers), two at
 # U = 4 (80 registers; ptxas spilled one n-tile at U = 4 in 80, and two in 64).
 _LN_PROLOGUE_TILES = ((1, 8), (2, 4))
-MMA_MAX_WARPS = 8  # linear.cu
+MMA_MAX_WARPS = 16  # linear.cu
+MMA_NARROW_WARPS = 8  # linear.cu: blocks of two m-tiles, or W ahead (linear_mma_ahead_kernel)
 MMA_RED_STRIDE = 20  # linear.cu's RED_STRIDE
 MMA_CHUNKS_PER_WARP = 6  # chunks of 32 columns a warp takes of each row (see _mma_warps)
 # LayerNorm in the product's prologue for up to this many rows of x (each block normalizes
@@ -178,12 +179,23 @@ def _tile(N: int, K: int, itemsize: int) -> tuple[tuple[int, int], int]:
 
 def _mma_warps(K: int) -> int:
     """Warps per block on tensor cores, each taking every KW-th chunk of 32 columns: about
-    MMA_CHUNKS_PER_WARP chunks a warp (at most MMA_MAX_WARPS warps), one batch of loads at
-    U = 8. A function of K alone: it fixes the summation order. Measured on the H100 at B = 1
-    (decode_step.py, graph + PDL, us with 4 / 8 warps): GPT-2 small qkv 2.26 / 2.49,
-    attn_proj 1.62 / 1.82, fc 2.49 / 2.86 (K = 768); GPT-2 XL (K = 1600, 8 warps) qkv 9.16
-    / 7.48, attn_proj 4.28 / 2.76."""
-    return max(1, min(MMA_MAX_WARPS, _build.cdiv(_build.cdiv(K, 32), MMA_CHUNKS_PER_WARP)))
+    MMA_CHUNKS_PER_WARP chunks a warp, at most MMA_NARROW_WARPS warps, or MMA_MAX_WARPS where
+    8 warps would each take two batches of loads or more at U = 8 (K > 3840: the MLP down of
+    GPT-2 medium, large and XL). A function of K alone: it fixes the summation order.
+    Measured on the H100 at B = 1 (decode_step.py, graph + PDL, us with 4 / 8 warps): GPT-2
+    small qkv 2.26 / 2.49, attn_proj 1.62 / 1.82, fc 2.49 / 2.86 (K = 768); GPT-2 XL (K =
+    1600, 8 warps) qkv 9.16 / 7.48, attn_proj 4.28 / 2.76. The MLP down alone (us with 8 / 16
+    warps, one batch of 6 or 7 chunks at 16): GPT-2 small (K = 3072) 4.79 / 3.25, XL 11.86 /
+    10.04. In the decode step (float16, us a step at B = 1 / 8, 8 / 16 warps for it): medium
+    620.7 / 588.9 and 690.2 / 654.6, large 1133.2 / 1097.0 and 1266.0 / 1217.9, XL 1891.5 /
+    1769.5 and 2144.0 / 2097.7, but small 244.2 / 256.1 and 285.3 / 285.3 (at U = 4: 251.6,
+    289.5): a block of 16 warps at 128 registers takes a whole SM's registers, so it waits for
+    the SM to empty instead of starting beside the kernel before it. Small keeps 8."""
+    chunks = _build.cdiv(K, 32)
+    kw = min(MMA_NARROW_WARPS, _build.cdiv(chunks, MMA_CHUNKS_PER_WARP))
+    if _build.cdiv(chunks, kw) >= 2 * _MMA_BATCH[1][-1]:
+        kw = MMA_MAX_WARPS
+    return max(1, kw)
 
 
 def _mma_tile(B: int, N: int, K: int, sms: int) -> int:
@@ -214,7 +226,8 @@ def _mma_tile(B: int, N: int, K: int, sms: int) -> int:
 
 def _mma_batch(nt: int, long_rows: bool, one_wave: bool) -> int:
     """Chunks per batch of loads (U). One n-tile: 8 when a warp has more than 4 chunks of a
-    row and the blocks fit in one wave at 2 an SM (U = 8 holds 128 registers), else 4.
+    row and the blocks fit in one wave at 16 warps an SM (U = 8 holds 128 registers; blocks of
+    fewer than 8 warps are counted as 8), else 4.
     Measured on the H100 at B = 1 (decode_step.py, graph + PDL): GPT-2 small's mlp_proj
     (12 chunks a warp) 4.1 us with 8, 5.2 with 4; the LM head (3142 blocks) 31.4 with 8,
     29.0 with 4."""
@@ -323,15 +336,17 @@ def ln_rows(x, ln) -> cupy.ndarray:
     return out
 
 
-def _mma_m_tiles(N: int, nt: int, logits: bool, sms: int) -> int:
+def _mma_m_tiles(N: int, nt: int, logits: bool, sms: int, kw: int) -> int:
     """m-tiles of 16 rows of W per block: two for float logits (store or argmax) of a tall
     weight (grids of many waves) at 8 n-tiles, where every block reads its 64 rows of x from
     L2 for one tile of W: two tiles halve those reads. GPT-2 small's LM head at B = 64 in the
     decode step on the H100 (CUPTI trace, graph + PDL): 71 against 77 us. (The step's other
     products, in one or two waves, would lose half their blocks. A persistent LM head, one
     block an SM staging its rows of x once and walking the tiles in two warp groups, took 75.8
-    against 71.8 us at B = 64 in the step's plain graph.)"""
-    return 2 if logits and nt == MMA_TILES[-1] and _build.cdiv(N, 16) >= MMA_WIDE_BLOCKS * sms else 1
+    against 71.8 us at B = 64 in the step's plain graph.) Blocks of at most MMA_NARROW_WARPS
+    warps (linear.cu: 156-188 registers a thread)."""
+    return 2 if (logits and nt == MMA_TILES[-1] and _build.cdiv(N, 16) >= MMA_WIDE_BLOCKS * sms
+                 and kw <= MMA_NARROW_WARPS) else 1
 
 
 def _xs_stride(K: int) -> int:
@@ -350,7 +365,8 @@ def _mma_plan(B: int, N: int, K: int, ln: bool, tile, warps, sms: int, smem_limi
     blocks = _build.cdiv(N, 16)
     long_rows = _build.cdiv(_build.cdiv(K, 32), kw) > 4  # more than 4 chunks a warp
     red = lambda nt, mt=1: kw * mt * 8 * nt * MMA_RED_STRIDE * 4  # noqa: E731
-    batch = lambda nt: _mma_batch(nt, long_rows, blocks <= 2 * sms)  # noqa: E731
+    one_wave = blocks * max(kw, MMA_NARROW_WARPS) <= 2 * MMA_NARROW_WARPS * sms  # at 128 registers
+    batch = lambda nt: _mma_batch(nt, long_rows, one_wave)  # noqa: E731
     if fold:  # the rows' statistics, 8-byte sets of STATS_COLS values, share the partial tiles' shared memory
         smem = lambda nt, mt=1: max(red(nt, mt), 8 * nt * _build.cdiv(K, STATS_COLS) * 8)  # noqa: E731
         nt = tile or _mma_tile(B, N, K, sms)
@@ -359,11 +375,11 @@ def _mma_plan(B: int, N: int, K: int, ln: bool, tile, warps, sms: int, smem_limi
         if smem(nt) > smem_limit:
             raise ValueError(f"rows of {K} features are too wide for ln_fold: their statistics need "
                              f"{smem(nt)} bytes of shared memory, this GPU has {smem_limit}")
-        mt = _mma_m_tiles(N, nt, logits, sms)
+        mt = _mma_m_tiles(N, nt, logits, sms, kw)
         if smem(nt, mt) > smem_limit:
             mt = 1
         return nt, batch(nt), kw, X_LN_FOLD, smem(nt, mt), 0, mt
-    prologue_nt = 1 if B <= 8 and long_rows and blocks <= 2 * sms else 2  # see _LN_PROLOGUE_TILES
+    prologue_nt = 1 if B <= 8 and long_rows and one_wave else 2  # see _LN_PROLOGUE_TILES
     prologue = ln and B <= LN_PROLOGUE_ROWS and tile in (None, prologue_nt) and blocks <= LN_PROLOGUE_WAVE * sms
     nt = prologue_nt if prologue else tile or _mma_tile(B, N, K, sms)
     xs_stride = _xs_stride(K)
@@ -375,7 +391,7 @@ def _mma_plan(B: int, N: int, K: int, ln: bool, tile, warps, sms: int, smem_limi
         smem = red(nt)
     if prologue:
         return nt, batch(nt), kw, X_LN, smem, xs_stride, 1
-    mt = _mma_m_tiles(N, nt, logits, sms)
+    mt = _mma_m_tiles(N, nt, logits, sms, kw)
     if mt > 1 and red(nt, mt) > smem_limit:
         mt = 1
     return nt, batch(nt), kw, X_PLAIN, red(nt, mt), xs_stride, mt
@@ -403,11 +419,12 @@ def _mma_ahead(B: int, N: int, K: int, nt: int, u: int, kw: int, xin: int, mt: i
     step (the most shared memory) 270.5 against 266.4 and 2273.1 against 2266.7: a kernel that
     needs a larger shared-memory split than the kernels around it makes the SMs drain between
     them. benchmarks/results/decode_step_staged-h100.json, decode_step_carveout-h100.json.)"""
-    able = xin == X_PLAIN and nt == 1 and mt == 1 and own_out and epi in ("store", "gelu", "residual")
+    able = (xin == X_PLAIN and nt == 1 and mt == 1 and own_out and epi in ("store", "gelu", "residual")
+            and kw <= MMA_NARROW_WARPS)
     if ahead is not None:
         if ahead and not able:
-            raise ValueError("ahead=True takes plain x (no ln / ln_fold), at most 8 rows of x a block, outputs "
-                             "in x's dtype and no argmax or kv_cache")
+            raise ValueError(f"ahead=True takes plain x (no ln / ln_fold), at most 8 rows of x a block, outputs "
+                             f"in x's dtype, no argmax or kv_cache and at most {MMA_NARROW_WARPS} warps")
         return bool(ahead)
     return able and _build.cdiv(N, 16) * _build.cdiv(B, 8) <= sms and _build.cdiv(K, 32) >= 2 * u * kw
 
@@ -450,7 +467,7 @@ def _mma_stream(B: int, N: int, K: int, tile, xin: int, logits: bool, kw: int, s
     stall samples). The step at B = 64: 621.8 / 610.1 us, 512 tokens at B = 64 98.7k / 100.7k
     tok/s (same run)."""
     return (logits and tile is None and xin in (X_PLAIN, X_LN_FOLD) and STREAM_MIN_ROWS <= B <= STREAM_ROWS
-            and _build.cdiv(N, 16) >= MMA_WIDE_BLOCKS * sms and STREAM_GROUPS * kw <= 2 * MMA_MAX_WARPS
+            and _build.cdiv(N, 16) >= MMA_WIDE_BLOCKS * sms and STREAM_GROUPS * kw <= 2 * MMA_NARROW_WARPS
             and _build.cdiv(_build.cdiv(K, 32), kw) <= MMA_CHUNKS_PER_WARP
             and _stream_smem(K, kw, xin == X_LN_FOLD) + _STREAM_STATIC_SMEM <= smem_limit
             and all(a.data.ptr % 16 == 0 for a in consts if a is not None))  # (bias, u, c: 16-byte copies)

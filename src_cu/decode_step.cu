@@ -25,8 +25,8 @@
 // bulk copy per row (cp.async.bulk), before sm_90 16-byte cp.async pieces. Weights are never
 // written, so it runs ahead across the grid barriers while the consumers wait, compute
 // attention or run epilogues. A product's tiles of 16 rows of W go to groups of KW warps (8 /
-// KW groups a block), dealt round-robin over the blocks, each product continuing where the one
-// before stopped; x is staged in shared memory once a phase (with the LayerNorm statistics in
+// KW groups a block; at KW = 16 one group, each warp taking the chunks of two), dealt
+// round-robin over the blocks, each product continuing where the one before stopped; x is staged in shared memory once a phase (with the LayerNorm statistics in
 // the same round trip) and the epilogue's constants are requested before the barrier.
 // Attention items (head, split) take a part of 128 threads each; an item waits only for its
 // head's q|k|v tiles (counters), not for a grid barrier, and the part that finishes a head's
@@ -152,7 +152,7 @@ struct Stream {
     // `start`: the block that takes tile 0 (each product deals on from where the one before
     // stopped, so the blocks with a tile more than others change from product to product)
     __device__ __forceinline__ Stream(int N_, int K_, int KW_, int start_) : N(N_), K(K_), KW(KW_), start(start_) {
-        groups = STEP_WARPS / KW;
+        groups = max(1, STEP_WARPS / KW);
         n_tiles = (N + 15) / 16;
         stride = gridDim.x * groups;
         vb = (blockIdx.x + gridDim.x - start) % gridDim.x;  // this block's first tile
@@ -226,7 +226,7 @@ template <typename T> struct Product {
 };
 
 struct StepShared {
-    float red[STEP_WARPS][16];   // partial tiles: [warp][row of the tile]
+    float red[2 * STEP_WARPS][16];  // partial tiles: [warp of linear.cu's KW][row of the tile]
     float best[STEP_WARPS];      // ARGMAX: per warp group
     int best_n[STEP_WARPS];
     float mean, rstd;            // X_LN_FOLD: of x
@@ -260,7 +260,10 @@ __device__ __forceinline__ void product_phase(const Product<T>& p, const Epilogu
                                               float& best, int& best_n, Trace& tr, Prologue prologue) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const Stream s(p.N, p.K, p.KW, p.start);
-    const int grp = warp / p.KW, kw = warp % p.KW;
+    // KW = 16 (linear.py's _mma_warps for K > 3840): each of the 8 warps does the work of linear.cu's
+    // warps kw and kw + 8, in two sets of accumulators
+    const int wpg = min(p.KW, STEP_WARPS);  // warps of a group
+    const int grp = warp / wpg, kw = warp % wpg;
     const bool in_group = grp < s.groups;
     const bool epi_lane = in_group && kw == 0 && lane < 16;  // output row m0 + lane of the group's tile
     float eu = 0.0f, ec = 0.0f;  // the epilogue's constants of that row
@@ -304,16 +307,14 @@ __device__ __forceinline__ void product_phase(const Product<T>& p, const Epilogu
         if constexpr (EPI == E_RESIDUAL) {
             if (valid) res = to_float(__ldcg(e.y + n));
         }
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (acc2: warp kw + 8)
         for (int sl = 0; sl < s.slabs; ++sl, ++k) {
             const int slot = k % n_stages;
             mbar_wait(&sh.full[slot], (k / n_stages) & 1);
             if (active) {
                 const unsigned char* rows = ring + slot * STAGE_BYTES + (grp * 16 + g) * s.row_bytes;
-#pragma unroll 2
-                for (int c = kw; c < s.sc; c += p.KW) {
-                    const int chunk = sl * s.sc + c, col = 32 * chunk + 8 * t;
-                    if (chunk >= s.n_chunks) break;
+                auto chunk_mma = [&](float (&a4)[4], int c) {  // chunk c of the slab (c < s.sc)
+                    const int col = 32 * (sl * s.sc + c) + 8 * t;
                     const bool ok = col < p.K;
                     const uint4 zero = make_uint4(0, 0, 0, 0);
                     const uint4 a = ok && ra ? *reinterpret_cast<const uint4*>(rows + (4 * c + t) * 16) : zero;
@@ -322,15 +323,25 @@ __device__ __forceinline__ void product_phase(const Product<T>& p, const Epilogu
                     const uint4 xv = ok && g == 0 ? *reinterpret_cast<const uint4*>(xs + col) : zero;
                     const unsigned a0[4] = {a.x, b.x, a.y, b.y};
                     const unsigned a1[4] = {a.z, b.z, a.w, b.w};
-                    mma_m16n8k16<T>(acc, a0, xv.x, xv.y);
-                    mma_m16n8k16<T>(acc, a1, xv.z, xv.w);
+                    mma_m16n8k16<T>(a4, a0, xv.x, xv.y);
+                    mma_m16n8k16<T>(a4, a1, xv.z, xv.w);
+                };
+#pragma unroll 2
+                for (int c = kw; c < s.sc; c += p.KW) {
+                    if (sl * s.sc + c >= s.n_chunks) break;
+                    chunk_mma(acc, c);
+                    if (p.KW > wpg && sl * s.sc + c + wpg < s.n_chunks) chunk_mma(acc2, c + wpg);
                 }
             }
             mbar_arrive(&sh.empty[slot]);  // this thread is done with the slot
         }
         if (active && t == 0) {
-            sh.red[warp][g] = acc[0];
-            sh.red[warp][g + 8] = acc[2];
+            sh.red[grp * p.KW + kw][g] = acc[0];
+            sh.red[grp * p.KW + kw][g + 8] = acc[2];
+            if (p.KW > wpg) {
+                sh.red[kw + wpg][g] = acc2[0];
+                sh.red[kw + wpg][g + 8] = acc2[2];
+            }
         }
         consumers_sync();
         if (active && kw == 0) {  // lanes 0-15 of the group's first warp: row m0 + lane

@@ -479,7 +479,8 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 1)  // (without the 1, ptxas c
 // batch, from L2, spilled.)
 // =======================================================================================
 namespace {
-constexpr int MMA_MAX_WARPS = 8;
+constexpr int MMA_MAX_WARPS = 16;  // (rows of more than 8 batches of chunks at 8 warps: linear.py's _mma_warps)
+constexpr int MMA_NARROW_WARPS = 8;  // blocks that hold more than 128 registers a thread: two m-tiles, W ahead
 constexpr int RED_STRIDE = 20;  // floats a column of a warp's partial tile takes in shared memory
                                 // (16 rows + 4: a fragment's 32 stores hit 32 distinct banks)
 // What the product does with x: use the rows as they are (X_PLAIN); normalize them first, each
@@ -527,21 +528,24 @@ __device__ __forceinline__ void rows_mean_rstd(float* s_mean, float* s_rstd, con
     }
 }
 
-// Blocks an SM holds at once (registers per thread <= 65536 / (256 x this)). One n-tile: 4
-// (64 registers) for U <= 4 chunks a batch, 2 (128) for U = 8, 3 (80) with the LayerNorm
-// prologue (ptxas spilled it at 64); with the folded LayerNorm 2 for the argmax (8 bytes
-// spilled at 80), else 4 (3 put GPT-2 XL's MLP up, 400 blocks, in two waves: 10.75 against
-// 8.08 us). Several n-tiles (W_AHEAD): 2, 106-128 registers (4 blocks of GPT-2 small's 4
-// warps). Two m-tiles: 1, 156-188 registers (2-3 blocks of 4 warps). (Tuned on the H100;
-// before sm_90, ptxas spilled at 64 registers: 2 there, 1 for two m-tiles.)
+// Threads a block may have: MMA_MAX_WARPS warps, or MMA_NARROW_WARPS for two m-tiles (their
+// registers, below).
+template <int MT> constexpr int mma_max_threads() { return 32 * (MT > 1 ? MMA_NARROW_WARPS : MMA_MAX_WARPS); }
+
+// Blocks of mma_max_threads an SM holds at once: registers per thread <= 65536 / (threads x
+// this). One n-tile: 64 registers for U <= 4 chunks a batch, 128 for U = 8 or with the LayerNorm
+// prologue (ptxas spilled it at 64); with the folded LayerNorm 128 for the argmax (8 bytes
+// spilled at 80) or U = 8, else 64 (80 put GPT-2 XL's MLP up, 400 blocks of 8 warps, in two
+// waves: 10.75 against 8.08 us). Several n-tiles (W_AHEAD): 106-128 registers. Two m-tiles:
+// 156-188 registers in blocks of at most 8 warps. (Tuned on the H100 in blocks of at most 8
+// warps; before sm_90, ptxas spilled at 64 registers: 128 there.)
 template <int NT, int U, int XIN, int EPI, int MT> constexpr int mma_min_blocks() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-    return MT > 1 ? 1 : 2;
+    return 1;
 #else
-    if constexpr (MT > 1) return 1;
-    if constexpr (W_AHEAD<NT>()) return 2;
-    if constexpr (XIN == X_LN_FOLD) return U > 4 || EPI == ARGMAX ? 2 : 4;
-    return U > 4 ? 2 : XIN == X_LN ? 3 : 4;
+    if constexpr (MT > 1 || W_AHEAD<NT>() || XIN == X_LN) return 1;
+    if constexpr (XIN == X_LN_FOLD) return U > 4 || EPI == ARGMAX ? 1 : 2;
+    return U > 4 ? 1 : 2;
 #endif
 }
 
@@ -804,7 +808,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
 }
 
 template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT>
-__global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN, EPI, MT>())
+__global__ void __launch_bounds__(mma_max_threads<MT>(), mma_min_blocks<NT, U, XIN, EPI, MT>())
     linear_mma_kernel(LINEAR_MMA_PARAMS) {
     linear_mma<T, OutT, NT, U, XIN, EPI, MT, W_AHEAD<NT>()>(LINEAR_MMA_ARGS);
 }
@@ -814,7 +818,7 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32, mma_min_blocks<NT, U, XIN,
 // whatever its registers (186 at U = 8), so each warp keeps two batches of W in flight (the
 // measurements are beside the wrapper's _mma_ahead).
 template <typename T, typename OutT, int U, int EPI>
-__global__ void __launch_bounds__(MMA_MAX_WARPS * 32, 1) linear_mma_ahead_kernel(LINEAR_MMA_PARAMS) {
+__global__ void __launch_bounds__(MMA_NARROW_WARPS * 32, 1) linear_mma_ahead_kernel(LINEAR_MMA_PARAMS) {
     linear_mma<T, OutT, 1, U, X_PLAIN, EPI, 1, true>(LINEAR_MMA_ARGS);
 }
 

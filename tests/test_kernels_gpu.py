@@ -4,6 +4,8 @@ element the kernel forgot to write fails the comparison."""
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -212,19 +214,20 @@ def test_linear_residual_in_place(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_linear_every_tile_gives_the_same_bits(dtype):
+@pytest.mark.parametrize("N,K_", [(1000, 1600), (200, 4104)])  # (K = 4104: 16 warps on tensor cores)
+def test_linear_every_tile_gives_the_same_bits(N, K_, dtype):
     """Every launch shape computes the same bits: on CUDA cores each lane visits its columns
     in increasing order whatever the tile (the LayerNorm's sums follow the block width, which
     the shape alone fixes); on tensor cores each warp chains its chunks in order whatever the
     rows of x per pass, and the LayerNorm gives the same bits in the prologue and ahead of it."""
-    rng = np.random.default_rng(11)
-    x, w, b, kw, expect = _linear_case(rng, 21, 1000, 1600, "ln_gelu", dtype)
+    rng = np.random.default_rng(11 + K_)
+    x, w, b, kw, expect = _linear_case(rng, 21, N, K_, "ln_gelu", dtype)
     mma = np.dtype(dtype).itemsize == 2
     shapes = ([{"tile": t} for t in K.linear_tiles(dtype)] if mma else
               [{"tile": t, "warps": wp} for t in K.linear_tiles(dtype) for wp in (4, 8)])
     outs = []
     for shape in shapes:
-        out = poisoned((21, 1000), dtype)
+        out = poisoned((21, N), dtype)
         K.linear(x, w, b, out=out, **shape, **kw)
         check(out, expect, dtype)
         outs.append(out)
@@ -243,9 +246,13 @@ def test_linear_every_tile_gives_the_same_bits(dtype):
 def test_linear_w_ahead_gives_the_same_bits(B, N, K_, variant, dtype):
     """One n-tile with W a batch ahead (a block an SM): the bits of the plain kernel, with the
     row statistics of a residual product too; uneven chunks a warp (K = 1032, 4104), more tiles
-    than SMs (N = 1000 at 132 SMs takes the plain kernel by default)."""
+    than SMs (N = 1000 at 132 SMs takes the plain kernel by default). W ahead takes blocks of at
+    most 8 warps: rows that take 16 by default (K > 3840) are run at 8 here."""
     rng = np.random.default_rng(B * N + K_)
     x, w, b, kw, expect = _linear_case(rng, B, N, K_, variant, dtype)
+    lin = importlib.import_module("cupy_kernels.linear")
+    if lin._mma_warps(K_) > lin.MMA_NARROW_WARPS:
+        kw["warps"] = lin.MMA_NARROW_WARPS
     res = kw.pop("residual", None)
     outs, stats = [], []
     for ahead in (None, False, True):
@@ -522,13 +529,17 @@ def test_linear_bad_inputs_raise():
     with pytest.raises(ValueError, match="tile"):  # tensor cores take n-tiles per pass
         K.linear(xh, wh, tile=(2, 4))
     with pytest.raises(ValueError, match="warps"):
-        K.linear(xh, wh, warps=9)
+        K.linear(xh, wh, warps=17)
     with pytest.raises(ValueError, match="tensor cores"):
         K.linear(x, w, ahead=True)
     with pytest.raises(ValueError, match="plain x"):
         K.linear(xh, wh, ln=(ln[0].astype(np.float16), ln[1].astype(np.float16), 1e-5), ahead=True)
     with pytest.raises(ValueError, match="at most 8 rows"):
         K.linear(cp.ones((20, 64), np.float16), wh, tile=2, ahead=True)
+    with pytest.raises(ValueError, match="at most 8 warps"):  # (K > 3840: 16 warps)
+        K.linear(cp.ones((1, 4096), np.float16), cp.ones((16, 4096), np.float16), ahead=True)
+    with pytest.raises(ValueError, match="at most 8 warps"):
+        K.linear(xh, wh, warps=9, ahead=True)
     with pytest.raises(TypeError, match="logits"):
         K.linear_argmax(x, w, logits=cp.empty((2, 10), np.float16))
     with pytest.raises(ValueError, match="out"):
