@@ -409,9 +409,9 @@ def _mma_ahead(B: int, N: int, K: int, nt: int, u: int, kw: int, xin: int, mt: i
     4.23 / 3.98; in the decode step, XL at B = 1 1934 / 1917 and 1909 / 1897, at B = 8 2348 /
     2190 and 2341 / 2246, but GPT-2 small at B = 1 249 / 258 and 247 / 256 (small's MLP down
     has one and a half batches a warp: not taken). Blocks of at most MMA_NARROW_WARPS warps:
-    the MLP down of GPT-2 medium to XL now takes 16 warps a row (_mma_warps) and runs without. (Spreading a tile's warps over the blocks of
-    a thread block cluster instead, meeting in distributed shared memory with the same bits,
-    lost: GPT-2 small's attention projection 2.27 / 2.31 us with 2 / 4 blocks against 1.61, XL's
+    the MLP down of GPT-2 medium to XL now takes 16 warps a row (_mma_warps) and runs without.
+    (Spreading a tile's warps over the blocks of a thread block cluster instead, meeting in
+    distributed shared memory with the same bits, lost: GPT-2 small's attention projection 2.27 / 2.31 us with 2 / 4 blocks against 1.61, XL's
     MLP down 12.56 / 11.97 against 11.97; the step at B = 1 252-255 against 247-249 us. Every
     chunk of W a block multiplies requested into shared memory before the wait, by cp.async,
     where a warp has more chunks than a batch of registers (commit 990294d), lost too: the step

@@ -26,8 +26,9 @@
 // written, so it runs ahead across the grid barriers while the consumers wait, compute
 // attention or run epilogues. A product's tiles of 16 rows of W go to groups of KW warps (8 /
 // KW groups a block; at KW = 16 one group, each warp taking the chunks of two), dealt
-// round-robin over the blocks, each product continuing where the one before stopped; x is staged in shared memory once a phase (with the LayerNorm statistics in
-// the same round trip) and the epilogue's constants are requested before the barrier.
+// round-robin over the blocks, each product continuing where the one before stopped; x is
+// staged in shared memory once a phase (with the LayerNorm statistics in the same round trip)
+// and the epilogue's constants are requested before the barrier.
 // Attention items (head, split) take a part of 128 threads each; an item waits only for its
 // head's q|k|v tiles (counters), not for a grid barrier, and the part that finishes a head's
 // last split merges them (merge_column) into the attention row. Data other SMs wrote in this
@@ -260,8 +261,8 @@ __device__ __forceinline__ void product_phase(const Product<T>& p, const Epilogu
                                               float& best, int& best_n, Trace& tr, Prologue prologue) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const Stream s(p.N, p.K, p.KW, p.start);
-    // KW = 16 (linear.py's _mma_warps for K > 3840): each of the 8 warps does the work of linear.cu's
-    // warps kw and kw + 8, in two sets of accumulators
+    // KW = 16 (linear.py's _mma_warps for K > 3840): each of the 8 warps does the work of
+    // linear.cu's warps kw and kw + 8, in two sets of accumulators
     const int wpg = min(p.KW, STEP_WARPS);  // warps of a group
     const int grp = warp / wpg, kw = warp % wpg;
     const bool in_group = grp < s.groups;
