@@ -1,7 +1,7 @@
 """Where a generated token's time goes, and the matrix-vector products on their own.
 
     python -m benchmarks.decode_step [--quick] [--skip-gemv] [--skip-profile] [--gemv-batches 1 64]
-                                     [--steps SIZE:DTYPE:BATCH ...]
+                                     [--sweep-dtypes float16 float32] [--steps SIZE:DTYPE:BATCH ...]
 
 1. Products (``linear``), each weight shape of GPT-2 small and XL, B = 1 (and the rows of x
    ``--gemv-batches`` gives):
@@ -10,10 +10,11 @@
    timings: one launch with a cold L2 (queued behind a sleep kernel, so the host's launch
    cost is not counted), and launches back to back in a CUDA graph, each on its own copy
    of the weights (copies spanning twice the L2, so none is re-read from L2), with and
-   without programmatic dependent launch: the way the decode step runs them. In float16
-   the other launch shapes are timed too (``impl: ours-tile``: on CUDA cores every tile and
-   block width; on tensor cores the warps that split K at B = 1, the n-tiles per block
-   past it); the wrapper's choice is ``impl: ours``.
+   without programmatic dependent launch: the way the decode step runs them. In the dtypes
+   of ``--sweep-dtypes`` (float16 unless told) the other launch shapes are timed too
+   (``impl: ours-tile``: on CUDA cores every tile and block width; on tensor cores the warps
+   that split K at B = 1, the n-tiles per block past it); the wrapper's choice is
+   ``impl: ours``.
 2. The decode step (``impl: step``): for each size and dtype at batch 1 and 8, the
    CUDA graph of one step is replayed under torch.profiler (CUPTI sees CuPy's kernels);
    per launch of the step: kernel, role, bytes it must move, median time, GB/s. The
@@ -408,6 +409,8 @@ def main():
     p.add_argument("--gemv-sizes", nargs="*", help="model sizes of the matrix-vector part (default: gpt2 gpt2-xl)")
     p.add_argument("--gemv-dtypes", nargs="*", help="dtypes of the matrix-vector part (default: all)")
     p.add_argument("--gemv-batches", nargs="*", type=int, default=[1], help="rows of x (default: 1)")
+    p.add_argument("--sweep-dtypes", nargs="*", default=["float16"],
+                   help="dtypes whose other launch shapes are timed too (default: float16)")
     p.add_argument("--steps", nargs="*", metavar="SIZE:DTYPE:BATCH",
                    help="decode steps to profile (default: every size and dtype at batch 1 and 8)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the picture from a results file")
@@ -437,7 +440,7 @@ def main():
     if not args.skip_gemv:
         sizes = args.gemv_sizes or (["gpt2"] if args.quick else ["gpt2", "gpt2-xl"])
         dtypes = args.gemv_dtypes or (["float16"] if args.quick else list(DTYPES))
-        rows += bench_gemv(sizes, dtypes, ceiling, pdl_ok, {"float16"}, args.gemv_batches)
+        rows += bench_gemv(sizes, dtypes, ceiling, pdl_ok, set(args.sweep_dtypes), args.gemv_batches)
     summaries = []
     if not args.skip_profile:
         if args.steps:

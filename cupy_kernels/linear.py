@@ -159,7 +159,7 @@ def linear_tiles(dtype=numpy.float32) -> tuple:
     return MMA_TILES if numpy.dtype(dtype).itemsize == 2 else TILES
 
 
-def _tile(N: int, K: int, itemsize: int) -> tuple[tuple[int, int], int]:
+def _tile(N: int, K: int, itemsize: int, ln: bool = False) -> tuple[tuple[int, int], int]:
     """((RW, U), warps per block) for a weight [N, K] on CUDA cores; never depends on the batch.
 
     Measured on an H100 when 16-bit rows also ran here (benchmarks/decode_step.py, float16,
@@ -171,9 +171,22 @@ def _tile(N: int, K: int, itemsize: int) -> tuple[tuple[int, int], int]:
     than 8 keep the LayerNorm-prologue kernels, which hold more registers, in one wave.
     The LM head (N >= 16384) runs in many waves, and each block pays the LayerNorm
     prologue once: 4 rows x 2 loads in 8-warp blocks (a quarter of the blocks) measured
-    the same without the prologue (28.0 against 27.8 us)."""
+    the same without the prologue (28.0 against 27.8 us).
+    float32 rows are twice the bytes: without the LayerNorm prologue, 1 row x 8 loads in
+    blocks of 8 warps (twice the warps of 2 x 4, the same loads in flight each) was the
+    fastest of the six tiles on every weight of GPT-2 small and XL but GPT-2 small's MLP up
+    (4.19 against 4.13 us with 4 warps), H100, alone in a graph with PDL, us against 2 x 4
+    in 4 warps: small qkv 3.25 / 3.90, attn_proj 1.96 / 2.71, fc 4.19 / 4.50, mlp_proj
+    5.97 / 7.78; XL qkv 12.64 / 13.82, attn_proj 5.28 / 6.45, fc 17.00 / 17.11, mlp_proj
+    18.43 / 20.57. In the step, where q|k|v and MLP up run the prologue, 1 x 8 in 4 warps for
+    all four lost (float32, B = 1, graph with PDL, one run: GPT-2 small 441.5 against 425.2
+    us, XL 4006.9 against 3878.8: twice the blocks each normalize the row), for the MLP down
+    alone it won (401.0 and 3792.7); this rule (1 x 8 in 8 warps for the products without
+    the prologue) measured 380.5 and 3647.5 in a later run."""
     if N >= 16384:
         return (4, 2), 8
+    if itemsize == 4 and not ln:
+        return (1, 8), 8
     return (2, 4), 4
 
 
@@ -295,7 +308,7 @@ def _geometry(x, weight, N: int, K: int, tile, warps, ln):
     """(vector width, tile, warps per block) of a CUDA-core launch: 16-byte vectors where x,
     W and the LayerNorm parameters allow. The tile never changes the numbers; the block
     width (warps) follows the shape alone, so neither does that."""
-    dflt_tile, dflt_warps = _tile(N, K, x.dtype.itemsize)
+    dflt_tile, dflt_warps = _tile(N, K, x.dtype.itemsize, ln is not None)
     tile, warps = tuple(tile or dflt_tile), warps or dflt_warps
     vec = _checks.vec_width(x.dtype, K, x, weight, *(ln or ())[:2])
     if vec == 1:
