@@ -419,9 +419,10 @@ class GPT2:
         # one chunk rule and block width for every batch and cache bucket, so that a
         # sequence's numbers (and tokens) depend neither on what it is batched with nor on the
         # bucket: the block width decode_attention picks for one sequence in the model's full
-        # length, equal chunks of at most DECODE_SPLIT_KEYS keys merged by the last block of a
-        # head (three equal splits merged by a second kernel, before: GPT-2 small at B = 1 2.8 +
-        # 1.7 us a layer in a CUDA graph, 5.0 us with the last-block merge; decode_step.py, H100; merged
+        # length (512 threads on a float32 cache: _decode_attention_shape), equal chunks of
+        # at most DECODE_SPLIT_KEYS keys merged by the last block of a head (three equal
+        # splits merged by a second kernel, before: GPT-2 small at B = 1 2.8 + 1.7 us a layer
+        # in a CUDA graph, 5.0 us with the last-block merge; decode_step.py, H100; merged
         # instead by every block of the attention projection in its prologue, a thread per
         # column in turn: 362 / 788 us a step at B = 1 / 8, against 255 / 296)
         split_keys, threads = self._decode_attention_shape(cache)
