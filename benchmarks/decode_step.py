@@ -14,7 +14,9 @@
    of ``--sweep-dtypes`` (float16 unless told) the other launch shapes are timed too
    (``impl: ours-tile``: on CUDA cores every tile and block width; on tensor cores the warps
    that split K at B = 1, the n-tiles per block past it); the wrapper's choice is
-   ``impl: ours``.
+   ``impl: ours``. An empty kernel under the cold timer (``bench: launch``) gives what one cold
+   launch costs before any byte moves, and with it each cold row's ``bound_pct``: the most of
+   the copy bandwidth a launch of that many bytes can show when timed that way.
 2. The decode step (``impl: step``): for each size and dtype at batch 1 and 8, the
    CUDA graph of one step is replayed under torch.profiler (CUPTI sees CuPy's kernels);
    per launch of the step: kernel, role, bytes it must move, median time, GB/s. The
@@ -77,7 +79,21 @@ def graph_time(launch, n: int, pdl: bool) -> float:
     return graph_replay_us(graph, stream, n)
 
 
+def launch_floor() -> dict:
+    """An empty kernel, one block of 256 threads an SM, under the products' cold timer: the
+    part of one cold launch that no bandwidth removes. Timed that way, a matrix of b bytes
+    can show at most (b / copy) / (b / copy + this) of the copy bandwidth (each cold row's
+    ``bound_pct``)."""
+    kernel = cp.RawKernel(r'extern "C" __global__ void empty_kernel() {}', "empty_kernel")
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    t = time_gpu(lambda: kernel((sms,), (256,), ()))
+    return {"bench": "launch", "impl": "empty", "timing": "cold", "blocks": sms, "threads": 256,
+            **{k: round(v, 3) for k, v in t.items()}}
+
+
 def bench_gemv(sizes, dtypes, ceiling, pdl_ok, sweep_dtypes, batches=(1,)) -> list[dict]:
+    floor = launch_floor()
+    print(f"empty kernel, cold: {floor['us']:.2f} us", flush=True)
     rows = []
     l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
     for size in sizes:
@@ -94,11 +110,14 @@ def bench_gemv(sizes, dtypes, ceiling, pdl_ok, sweep_dtypes, batches=(1,)) -> li
             base = {"bench": "gemv", "model": size, "role": role, "N": N, "K": Kd, "dtype": dtype, "batch": B,
                     "bytes": nbytes}
 
+            read_us = nbytes / ceiling / 1e3  # the matrix at the copy bandwidth
+
             def record(impl, t, **extra):
                 row = {**base, "impl": impl, **extra, "us": round(t["us"], 3),
                        "us_min": round(t["us_min"], 3), "us_max": round(t["us_max"], 3),
                        "GBps": round(nbytes / t["us"] / 1e3, 1),
-                       "pct_copy": round(100 * nbytes / t["us"] / 1e3 / ceiling, 1)}
+                       "pct_copy": round(100 * nbytes / t["us"] / 1e3 / ceiling, 1),
+                       "bound_pct": round(100 * read_us / (read_us + floor["us"]), 1)}
                 rows.append(row)
                 return row
 
@@ -139,7 +158,7 @@ def bench_gemv(sizes, dtypes, ceiling, pdl_ok, sweep_dtypes, batches=(1,)) -> li
                     for q in sorted(sweep, key=lambda q: q["us"])), flush=True)
             tw = w = None  # free the copies before the next shape
             torch.cuda.empty_cache()
-    return rows
+    return [floor] + rows
 
 
 # ---------------------------------------------------------------------------------------
