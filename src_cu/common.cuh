@@ -104,11 +104,12 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 // (An L2 evict-first policy on these loads, tried on the H100, benchmarks/results/
 // evict_first-h100.log: built before every load (each load then sat behind a branch of its
 // own instead of being predicated), the float16 step and 512-token generate calls took GPT-2
-// XL at B = 1 from 1764 to 1678-1682 us a token and GPT-2 small from 245 to 240, but the step at
-// B = 64 and 128 lost 3% (W re-read from L2 by each block row); built once a kernel, chosen
-// by the grid (evict-first for one block row), the loads stayed predicated and generate calls
-// gained nothing (XL 575-576 against 581-582 tok/s). Not kept: which of the two, the policy or
-// the code layout, made the gain is not measured yet.)
+// XL at B = 1 from 1757-1764 to 1676-1682 us a token and GPT-2 small from 244-245 to 238-241,
+// but the step at B = 64 and 128 lost 3% (W re-read from L2 by each block row). The same
+// layout with an evict-normal policy: XL 1694, small 253 (same run). Built once a kernel,
+// chosen by the grid (evict-first for one block row), the loads stayed predicated and
+// generate calls gained nothing (XL 575-576 against 581-582 tok/s). Not kept yet: the gain
+// needs the branch per load and the policy together, and the policy only where W is read once.)
 __device__ __forceinline__ uint4 load_stream16(const void* p) {
     uint4 r;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
