@@ -99,20 +99,28 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #endif
 }
 
-// 16 bytes of read-only data that this launch reads once (weights): through the
-// non-coherent path, without allocating in L1, where it would only evict what is reused.
-// (An L2 evict-first policy on these loads, tried on the H100, benchmarks/results/
-// evict_first-h100.log: built before every load (each load then sat behind a branch of its
-// own instead of being predicated), the float16 step and 512-token generate calls took GPT-2
-// XL at B = 1 from 1757-1764 to 1676-1682 us a token and GPT-2 small from 244-245 to 238-241,
-// but the step at B = 64 and 128 lost 3% (W re-read from L2 by each block row). The same
-// layout with an evict-normal policy: XL 1694, small 253 (same run). Built once a kernel,
-// chosen by the grid (evict-first for one block row), the loads stayed predicated and
-// generate calls gained nothing (XL 575-576 against 581-582 tok/s). Not kept yet: the gain
-// needs the branch per load and the policy together, and the policy only where W is read once.)
+// 16 bytes of read-only data that this launch reads once (weights), without allocating in
+// L1, where it would only evict what is reused.
+// Not ld.global.nc: ptxas moves non-coherent loads past griddepcontrol.wait (and past
+// bar.sync), so in the tensor-core products with the folded LayerNorm most of the first
+// batch of W, requested before griddep_wait() for programmatic dependent launch, was issued
+// after it (sm_90 SASS of linear_mma_kernel<__half, __half, 1, 4, 2, 1, 1>: 3 of its 8
+// loads before ACQBULK; 9 of 16 at U = 8 with the KV-cache epilogue). A coherent load
+// cannot move past the wait: in the SASS of those kernels all of them now go before it.
+// Measured on the H100, same run (benchmarks/results/pdl_w_before_wait-h100.log, 512-token
+// calls, us a token, float16 B = 1): GPT-2 XL 1683-1688 against 1755 with .nc, GPT-2 small
+// 235-238 against 243-244; at B = 8 GPT-2 small 277.6 against 284.6, at B = 64 within 1%.
+// (An L2 evict-first policy on these loads, benchmarks/results/evict_first-h100.log, with
+// .nc: built before every load, which also put each load behind a branch of its own, so that
+// ptxas kept it before the wait, XL went to 1676-1682 and small to 238-241, but the step at
+// B = 64 and 128 lost 3% (W re-read from L2 by each block row); that layout with an
+// evict-normal policy, XL 1694, small 253; built once a kernel, the loads predicated (and
+// moved), nothing. With the coherent loads, evict-first once a kernel where one n-tile runs
+// in one block row (B <= 8) measured XL 1680 and small 234-235 against 1683-1688 and
+// 235-238 without it (pdl_w_before_wait-h100.log, v2): within run-to-run spread, not kept.)
 __device__ __forceinline__ uint4 load_stream16(const void* p) {
     uint4 r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+    asm("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                  : "l"(p));
     return r;
