@@ -22,7 +22,10 @@
    per launch of the step: kernel, role, bytes it must move, median time, GB/s. The
    step's time per token (CUDA events around the replays, with and without programmatic
    dependent launch), its kernels' sum, and the floor (weight bytes / copy bandwidth).
-   Wall time per token of a 512-token ``generate`` call beside it.
+   Wall time per token of a 512-token ``generate`` call beside it, and the GPU time per
+   token of such a call (the span of its kernels in a CUPTI trace / 512): the host's
+   share is their difference; a real call's step can differ from the replayed one, which
+   runs at fixed positions on whatever data the buffers hold.
 
 Writes benchmarks/results/decode_step-<device>.json and decode_step-<device>.png
 (``--replot FILE`` redraws the picture from a results file, without a GPU).
@@ -286,6 +289,22 @@ def wall_per_token(model, batch: int, new: int = 512) -> float:
     return best / new * 1e6
 
 
+def traced_per_token(model, batch: int, new: int = 512) -> float:
+    """GPU time a token of one warm ``new``-token generate call, prefill included: the span of
+    its kernels in a CUPTI trace over ``new``. Against wall_per_token it says what the host
+    adds; against the replayed step, what a real call's data and positions change on the GPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = [PROMPT] * batch if batch > 1 else PROMPT
+    model.generate(prompts, new)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.generate(prompts, new)
+        cp.cuda.runtime.deviceSynchronize()
+    spans = [e.time_range for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return (max(t.end for t in spans) - min(t.start for t in spans)) / new
+
+
 def bench_steps(cases, ceiling, replays, pdl_ok) -> tuple[list[dict], list[dict]]:
     from gpt2_cupy import GPT2, SIZES
     import transformers
@@ -307,6 +326,7 @@ def bench_steps(cases, ceiling, replays, pdl_ok) -> tuple[list[dict], list[dict]
                 summary.update({"bench": "decode_step", "impl": "step", "model": size, "dtype": dtype,
                                 "batch": batch})
                 summary["wall_us_per_token"] = round(wall_per_token(model, batch), 2)
+                summary["gpu_us_per_token"] = round(traced_per_token(model, batch), 2)
                 summaries.append(summary)
                 for r in per_kernel:
                     rows.append({"bench": "decode_step_kernel", "model": size, "dtype": dtype, "batch": batch, **r})
@@ -321,7 +341,8 @@ def bench_steps(cases, ceiling, replays, pdl_ok) -> tuple[list[dict], list[dict]
                 print(f"{size:12s} {dtype:9s} B={batch:<3d} step {summary['step_us']:8.2f} us"
                       f" (pdl {summary.get('step_us_pdl', float('nan')):8.2f}), kernels {summary['kernel_sum_us']:8.2f} us"
                       f" in {summary['kernels']}, floor {summary['floor_us']:7.2f} us ({summary['pct_floor']}%),"
-                      f" wall/token {summary['wall_us_per_token']:8.2f} us", flush=True)
+                      f" wall/token {summary['wall_us_per_token']:8.2f} us"
+                      f" (GPU {summary['gpu_us_per_token']:8.2f} us)", flush=True)
             del model
             cp.get_default_memory_pool().free_all_blocks()
         del hf
