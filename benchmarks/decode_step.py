@@ -290,14 +290,14 @@ def wall_per_token(model, batch: int, new: int = 512) -> float:
 
 
 def traced_per_token(model, batch: int, new: int = 512) -> float:
-    """GPU time a token of one warm ``new``-token generate call, prefill included: the span of
-    its kernels in a CUPTI trace over ``new``. Against wall_per_token it says what the host
-    adds; against the replayed step, what a real call's data and positions change on the GPU."""
+    """GPU time a token of one ``new``-token generate call, prefill included: the span of its
+    kernels in a CUPTI trace over ``new``. Run after wall_per_token, whose calls leave the
+    session warm. Against wall_per_token it says what the host adds; against the replayed
+    step, what a real call's data and positions change on the GPU."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     prompts = [PROMPT] * batch if batch > 1 else PROMPT
-    model.generate(prompts, new)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         model.generate(prompts, new)
         cp.cuda.runtime.deviceSynchronize()
