@@ -19,7 +19,9 @@
    the copy bandwidth a launch of that many bytes can show when timed that way.
 2. The decode step (``impl: step``): for each size and dtype at batch 1 and 8, the
    CUDA graph of one step is replayed under torch.profiler (CUPTI sees CuPy's kernels);
-   per launch of the step: kernel, role, bytes it must move, median time, GB/s. The
+   per launch of the step: kernel, role, bytes it must move, median time, GB/s, and what
+   it adds to the step replayed with programmatic dependent launch (``us_pdl_marginal``: its
+   end after the end of the kernel before it, which it waits for; they sum to the step). The
    step's time per token (CUDA events around the replays, with and without programmatic
    dependent launch), its kernels' sum, and the floor (weight bytes / copy bandwidth).
    Wall time per token of a 512-token ``generate`` call beside it, and the GPU time per
@@ -240,23 +242,36 @@ def profile_step(model, batch: int, ceiling: float, replays: int, pdl_ok: bool) 
             s.cache.positions.set(np.full(batch, prompt_len, np.int32))
         graph = s.capture(pdl, publish=False)
         summary[f"step_us{'_pdl' if pdl else ''}"] = round(step_replay_us(s, graph, prompt_len + 256, replays), 2)
-    # the profile: the plain graph (with PDL, a kernel's time would include its wait),
-    # captured inside the profiler, which then sees every kernel of every replay
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        with s.stream:
-            s.stream.begin_capture()
-            s.step.replay()
-            graph = s.stream.end_capture()
-            s.cache.positions.set(np.full(batch, prompt_len + 256, np.int32))
-            for _ in range(replays):
-                graph.launch(s.stream)
-        s.stream.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
-                      and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()),
-                     key=lambda e: e.time_range.start)
+    def traced(graph_pdl: bool) -> list:
+        # the graph captured inside the profiler, which then sees every kernel of every replay
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with s.stream:
+                s.stream.begin_capture()
+                s.step.replay(pdl=graph_pdl)
+                graph = s.stream.end_capture()
+                s.cache.positions.set(np.full(batch, prompt_len + 256, np.int32))
+                for _ in range(replays):
+                    graph.launch(s.stream)
+            s.stream.synchronize()
+        kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
+                          and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()),
+                         key=lambda e: e.time_range.start)
+        if len(kernels) != n * replays:
+            raise RuntimeError(f"profiler saw {len(kernels)} kernels, expected {n} x {replays}")
+        return kernels
+
     n = len(s.step)
-    if len(kernels) != n * replays:
-        raise RuntimeError(f"profiler saw {len(kernels)} kernels, expected {n} x {replays}")
+    # the profile: the plain graph (with PDL, a kernel's time would include its wait)
+    kernels = traced(False)
+    # with PDL, what each kernel adds to the step: its end after the end of the kernel before
+    # it (every kernel waits for the one before it to finish); the first, its own time
+    marginal = [None] * n
+    if pdl_ok:
+        kp = traced(True)
+        for j in range(n):
+            marginal[j] = statistics.median(
+                (kp[i * n + j].time_range.end - kp[i * n + j - 1].time_range.end) if j else
+                kp[i * n].time_range.elapsed_us() for i in range(replays))
     # the cache rows each step's attention reads: about the middle of the replays
     roles = launch_roles(model, s.step, batch, prompt_len + 256 + replays // 2)
     for j, launch in enumerate(s.step):
@@ -265,7 +280,8 @@ def profile_step(model, batch: int, ceiling: float, replays: int, pdl_ok: bool) 
         rows_out.append({"index": j, "kernel": _kernel_name(launch), "role": role, "bytes": nbytes,
                          "us": round(us, 3),
                          "GBps": round(nbytes / us / 1e3, 1) if us > 0 else None,
-                         "pct_copy": round(100 * nbytes / us / 1e3 / ceiling, 1) if us > 0 else None})
+                         "pct_copy": round(100 * nbytes / us / 1e3 / ceiling, 1) if us > 0 else None,
+                         "us_pdl_marginal": None if marginal[j] is None else round(marginal[j], 3)})
     summary["kernels"] = n
     summary["kernel_sum_us"] = round(sum(r["us"] for r in rows_out), 2)
     weight_bytes = decode_weight_bytes(model)

@@ -55,6 +55,10 @@ def main():
                                        num_splits=splits, threads=threads)
             # chunks of a fixed length: one (written by its block), several (the last merges)
             K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32), split_keys=40)
+            # the appended row read from beside q (the decode step's q|k|v row), narrow and wide blocks
+            for threads in (128, 512):
+                K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32), split_keys=40,
+                                   threads=threads, appended=(qkv[:, 0, 1], qkv[:, 0, 2]))
             for kv in ("int8", "fp8"):  # quantized caches, GQA (4 query heads per KV head), ALiBi, splits
                 storage = K.kv_storage_dtype(kv, dtype)
                 kq, vq = cp.empty((2, 2, T + 5, D), storage), cp.empty((2, 2, T + 5, D), storage)

@@ -182,7 +182,8 @@ def _or_null(*arrays):
 
 def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=None, alibi_slopes=None,
                      scale: float | None = None, num_splits: int | None = None, split_keys: int | None = None,
-                     threads: int | None = None, merge: str = "last-block", out=None) -> cupy.ndarray:
+                     threads: int | None = None, merge: str = "last-block", appended=None,
+                     out=None) -> cupy.ndarray:
     """``softmax(q . K[:len] * scale + alibi) V[:len]`` for each sequence and query head.
 
     q: [B, H, D], contiguous over (H, D) (a row of the fused qkv buffer qualifies; the batch
@@ -206,7 +207,11 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     and with 32 x hd128; slower outside one, where the second launch is not hidden).
     Replayed with programmatic dependent launch (a recorded decode step), the kernel requests
     each sequence's first keys before the kernel ahead of it has finished: that kernel may
-    append row len - 1 (read again once it has), not rewrite earlier rows.
+    append row len - 1 (read again once it has), not rewrite earlier rows. appended: (k, v),
+    each [B, H_kv, D] in q's dtype with q's strides but over H_kv heads (k and v of the fused
+    qkv buffer qualify), caches in q's dtype only: the row each sequence's cache holds at len
+    - 1, as the kernel ahead wrote it; read then with q and the lengths instead of from the
+    cache once the lengths are known (the same numbers, one memory round trip less).
     Returns [B, H, D] in q's dtype.
     """
     q = _checks.float_array(q, "q", ndim=3, contiguous=False)
@@ -254,6 +259,20 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
         raise ValueError(f"{_WIDE} threads per block take a cache in q's dtype, not {k_cache.dtype}")
     if merge not in ("last-block", "kernel"):
         raise ValueError(f"merge must be 'last-block' or 'kernel', got {merge!r}")
+    k_new = v_new = None
+    if appended is not None:
+        if quantized:
+            raise ValueError(f"appended rows take a cache in q's dtype, not {k_cache.dtype}")
+        if not isinstance(appended, (tuple, list)) or len(appended) != 2:
+            raise TypeError("appended must be a pair (k, v) of arrays")
+        k_new, v_new = (_checks.float_array(a, n, ndim=3, contiguous=False)
+                        for a, n in zip(appended, ("appended k", "appended v")))
+        _checks.same_dtype(q, "q", **{"appended k": k_new, "appended v": v_new})
+        for a, n in ((k_new, "appended k"), (v_new, "appended v")):
+            _checks.check_shape(a, n, (B, H_kv, D))
+            if a.strides != (q.strides[0], D * item, item) or a.data.ptr % 16:
+                raise ValueError(f"{n} must have q's batch stride and be contiguous over (KV heads, head_dim) from a "
+                                 f"16-byte boundary, got strides {a.strides}")
     out = _checks.output(out, "out", (B, H, D), q.dtype)
     if B == 0 or H == 0:
         return out
@@ -269,7 +288,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
         if merge == "last-block":
             counters = _counters(B * blocks)
     kern((blocks, B, splits), (threads,),
-         (out, *_or_null(part_o, part_lse, counters), q, k_cache, v_cache, *_or_null(k_scale, v_scale), seq_lens,
+         (out, *_or_null(part_o, part_lse, counters), q, *_or_null(k_new, v_new), k_cache, v_cache,
+          *_or_null(k_scale, v_scale), seq_lens,
           *_or_null(alibi_slopes),
           i32(H), i32(H_kv), i32(S_max), i64(q.strides[0] // item), f32(scale), i32(split_keys or 0)))
     if splits > 1 and merge == "kernel":

@@ -444,12 +444,14 @@ class GPT2:
                     K.linear(buf.x, blk.attn_w, out=buf.qkv, **qkv_in,
                              kv_cache={"k_cache": cache.k[i], "v_cache": cache.v[i], "positions": cache.positions,
                                        "seq_lens": cache.lengths})
+                    appended = (qkv[:, 0, 1], qkv[:, 0, 2])  # the cache's new rows, as the product wrote them
                 else:  # quantized: a row's scale needs all of its D values, which kv_append holds
                     K.linear(buf.x, blk.attn_w, out=buf.qkv, **qkv_in)
                     K.kv_append(k=qkv[:, :, 1], v=qkv[:, :, 2], start=cache.positions, seq_lens=cache.lengths,
                                 **cache.layer(i))
+                    appended = None
                 K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, split_keys=split_keys,
-                                   threads=threads, out=buf.att, **cache.layer(i))
+                                   threads=threads, appended=appended, out=buf.att, **cache.layer(i))
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x,
                          stats_out=stats)
                 K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f,
@@ -463,7 +465,14 @@ class GPT2:
         A float32 cache takes blocks of DECODE_WIDE_THREADS: a chunk of its keys is twice the
         trips of a 16-bit one in blocks of 128 (H100, GPT-2 small float32, the step at B = 1 /
         8 with PDL 358.4 / 1201.1 us with 512 threads against 380.5 / 1235.8 with 128, XL at B =
-        1 3559.7 against 3647.5); a 16-bit cache keeps 128 (251.4 against 327.6 at B = 1)."""
+        1 3559.7 against 3647.5); a 16-bit cache keeps 128 (251.4 against 327.6 at B = 1).
+        Measured again with the appended rows read beside q (us a step at 64 / 264 / 520 / 900
+        cached keys, 128 / 512 threads, benchmarks/results/attention_appended-h100.log): GPT-2
+        small B = 1 225.3 / 234.8 / 260.8 / 294.6 against 235.3 / 236.4 / 257.7 / 266.9, B = 8
+        243.2 / 268.7 / 317.7 / 364.3 against 283.5 / 285.2 / 351.4 / 379.5; GPT-2 XL B = 1
+        1606.5 / 1624.7 / 1738.6 / 1859.5 against 1584.2 / 1586.1 / 1626.9 / 1677.0. 512 wins
+        on long caches at B = 1 but loses at B = 8 and on short caches, and one width serves
+        every batch size (a sequence's bits must not depend on its batch): 128 stays."""
         cfg = self.config
         if self.dtype == numpy.float32 and cache.k.dtype == numpy.float32:
             return DECODE_SPLIT_KEYS, DECODE_WIDE_THREADS

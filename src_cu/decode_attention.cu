@@ -19,8 +19,10 @@
 // (it starts at row 0 whatever the length), so an unsplit short cache waits for memory once,
 // and, under programmatic dependent launch, before the kernel ahead (the q|k|v product that
 // appends the step's row) has finished: those rows stream in during its last blocks. The
-// appended row, len - 1, is read again (from L2) once the length is known; the rows before it
-// must be older than the kernel ahead (attend's PRE_WAIT).
+// appended row, len - 1, is read again (from L2) once the length is known, or, where the
+// caller passes it (k_new, v_new: the decode step's q|k|v row, which holds it beside q), from
+// there at once with q and the length; the rows before it must be older than the kernel ahead
+// (attend's PRE_WAIT).
 // Split: blockIdx.z takes one chunk of the sequence: one of gridDim.z equal chunks (multiples
 // of the block's key tile), or, with chunk_keys > 0, one of ceil(len / chunk_keys) equal chunks
 // of at most about chunk_keys keys (a sequence of len keys uses that many of the gridDim.z
@@ -44,7 +46,8 @@ using namespace g2c;
 template <typename T, typename KT, int D, int QPB, int THREADS>
 __global__ void __launch_bounds__(THREADS)
     decode_attention_kernel(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse,
-                            unsigned* __restrict__ counters, const T* __restrict__ q, const KT* __restrict__ k_cache,
+                            unsigned* __restrict__ counters, const T* __restrict__ q, const KT* __restrict__ k_new,
+                            const KT* __restrict__ v_new, const KT* __restrict__ k_cache,
                             const KT* __restrict__ v_cache, const float* __restrict__ k_scale,
                             const float* __restrict__ v_scale, const int* __restrict__ seq_lens,
                             const float* __restrict__ alibi, int H, int H_kv, int S_max, long long q_sb,
@@ -53,7 +56,8 @@ __global__ void __launch_bounds__(THREADS)
     // (attend waits for the previous kernel once the first trip's rows are requested)
     attend<T, KT, D, QPB, THREADS, 1, false, false, true>(out, part_o, part_lse, q, k_cache, v_cache, k_scale,
                                                           v_scale, seq_lens, alibi, H, H_kv, S_max, q_sb, scale,
-                                                          blockIdx.x, b, blockIdx.z, splits, gridDim.y, chunk_keys);
+                                                          blockIdx.x, b, blockIdx.z, splits, gridDim.y, chunk_keys,
+                                                          threadIdx.x, 0, k_new, v_new);
     if (splits == 1 || counters == nullptr) return;
     constexpr int TILE = attention_tile<KT, D, THREADS>();
     const int len = seq_lens[b];

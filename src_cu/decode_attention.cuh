@@ -115,6 +115,18 @@ template <typename KT, int GROUPS, int UNROLL, bool STREAMING> struct Trip {
         }
     }
 
+    // Put row `row` of a trip loaded from row 0, where this group holds it: the lane's slice
+    // of it as the kernel ahead wrote it beside q (k_row, v_row; caches in q's dtype only).
+    __device__ __forceinline__ void put(const KvVec<KT>& k_row, const KvVec<KT>& v_row, int group, int row) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (u * GROUPS + group == row) {
+                k[u] = k_row;
+                v[u] = v_row;
+            }
+        }
+    }
+
     // Zero the rows at or past `end` of a trip loaded from row 0 before `end` was known.
     __device__ __forceinline__ void mask(int group, int end) {
 #pragma unroll
@@ -150,7 +162,16 @@ __device__ __forceinline__ int chunk_length(int len, int splits, int chunk_keys,
 // (programmatic dependent launch: they stream in while the kernel before finishes). Only the
 // row the kernel before appended, len - 1, may be new: it is loaded again once the length is
 // known. Every other row below the length must have been written before that kernel started
-// (the decode step appends one row a step, each in a launch of its own).
+// (the decode step appends one row a step, each in a launch of its own). k_new / v_new
+// (PRE_WAIT, caches in q's dtype, or nullptr): that appended row of every (sequence, KV head)
+// as the kernel before also wrote it, at k_new + b q_sb + g D: read at once after the wait,
+// with q and the length, instead of from the cache once the length is known (one L2 round
+// trip less after the wait). H100, the decode step in a CUDA graph with PDL, float16, us a step
+// at 64 / 264 / 520 / 900 cached keys, without / with (two rounds of one run,
+// benchmarks/results/attention_appended-h100.log): GPT-2 small B = 1 227.2 / 237.5 / 264.8 /
+// 296.2 against 225.3 / 234.8 / 260.8 / 294.6, B = 8 243.6 / 272.7 / 318.5 / 366.2 against
+// 243.2 / 268.7 / 317.7 / 364.3; GPT-2 XL B = 1 1607.3 / 1637.6 / 1766.1 / 1869.8 against
+// 1606.5 / 1624.7 / 1738.6 / 1859.5.
 template <typename T, typename KT, int D, int QPB, int THREADS, int PARTS = 1, bool Q_THROUGH_L2 = false,
           bool PARTIALS = false, bool PRE_WAIT = false>
 __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse,
@@ -159,7 +180,8 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
                                        const float* __restrict__ v_scale, const int* __restrict__ seq_lens,
                                        const float* __restrict__ alibi, int H, int H_kv, int S_max, long long q_sb,
                                        float scale, int bx, int b, int split, int splits, int batch,
-                                       int chunk_keys, int tid = threadIdx.x, int part = 0) {
+                                       int chunk_keys, int tid = threadIdx.x, int part = 0,
+                                       const KT* __restrict__ k_new = nullptr, const KT* __restrict__ v_new = nullptr) {
     using Fmt = KvFormat<KT>;
     constexpr int VEC = KvVec<KT>::N;
     constexpr int G = D / VEC;  // lanes per key row
@@ -218,18 +240,18 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
     Rows cur, next;
     const bool early = split == 0;
     cur.load(kc, vc, ks, vs, D, group, 0, early ? min(TILE, S_max) : 0);
+    KvVec<KT> k_fresh, v_fresh;  // k_new / v_new: this lane's slice of the appended row
+    const bool fresh = PRE_WAIT && k_new != nullptr && early;
     if constexpr (PRE_WAIT) {
         griddep_wait();  // q, seq_lens and the appended row: the previous kernel's work
         griddep_launch_dependents();
+        if (fresh) {
+            k_fresh.load_l2(k_new + b * q_sb + g * D + sub * VEC);
+            v_fresh.load_l2(v_new + b * q_sb + g * D + sub * VEC);
+        }
     }
 
-    const int len = seq_lens[b];  // (written once a step, before any block of the step reads it)
-    const int chunk = chunk_length(len, splits, chunk_keys, TILE);
-    const int s_begin = split * chunk, s_end = min(len, s_begin + chunk);
-    // the sequence is this one chunk: its output goes straight to out
-    const bool one_chunk = !PARTIALS && (splits == 1 || (chunk_keys > 0 && s_begin == 0 && s_end == len));
-    if (!PARTIALS && chunk_keys > 0 && split > 0 && s_begin >= len) return;  // past the last key: nothing to do
-
+    // q before the length: neither waits for the other
     float qv[QPB][VEC], slope[QPB], m[QPB], l[QPB], acc[QPB][VEC];
 #pragma unroll
     for (int j = 0; j < QPB; ++j) {
@@ -240,6 +262,12 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
 #pragma unroll
         for (int i = 0; i < VEC; ++i) acc[j][i] = 0.0f;
     }
+    const int len = seq_lens[b];  // (written once a step, before any block of the step reads it)
+    const int chunk = chunk_length(len, splits, chunk_keys, TILE);
+    const int s_begin = split * chunk, s_end = min(len, s_begin + chunk);
+    // the sequence is this one chunk: its output goes straight to out
+    const bool one_chunk = !PARTIALS && (splits == 1 || (chunk_keys > 0 && s_begin == 0 && s_end == len));
+    if (!PARTIALS && chunk_keys > 0 && split > 0 && s_begin >= len) return;  // past the last key: nothing to do
 
     // One loop trip over the rows of t: scores, online softmax, O += P V.
     auto use_trip = [&](const Rows& t, int base) {
@@ -305,7 +333,13 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
     int base = s_begin;
     if (early) {  // the first trip's rows are here
         if constexpr (PRE_WAIT) {
-            if (len - 1 < min(TILE, S_max)) cur.reload(kc, vc, ks, vs, D, group, len - 1);
+            if (len - 1 < min(TILE, S_max)) {
+                if (fresh) {
+                    cur.put(k_fresh, v_fresh, group, len - 1);
+                } else {
+                    cur.reload(kc, vc, ks, vs, D, group, len - 1);
+                }
+            }
         }
         cur.mask(group, s_end);
     } else if (base < s_end) {

@@ -127,6 +127,39 @@ def test_decode_attention_split_keys(H, H_kv, D, lens, alibi, dtype, kv, split_k
 
 
 @pytest.mark.parametrize("threads", [128, 512])
+@pytest.mark.parametrize("split_keys", [None, 40, 1000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("H,H_kv,D", [(12, 12, 64), (8, 2, 128), (5, 1, 128)])
+def test_decode_attention_appended(H, H_kv, D, dtype, split_keys, threads):
+    """The appended rows (k, v beside q, as the decode step's q|k|v product writes them) give
+    the bits of the cache's own row len - 1; where that row falls in the first loop trip the
+    kernel takes it from there: poisoned in the cache (short sequences), the output is still
+    the reference."""
+    rng = np.random.default_rng(H * 100 + D + threads + (split_keys or 0))
+    lens = [1, 7, 1000, 4097]
+    B, S = len(lens), max(lens) + 3
+    cache, k_host, v_host = build_cache(rng, B, H_kv, S, D, lens, dtype, None)
+    qkv, qkvh = rand(rng, (B, H + 2 * H_kv, D), dtype)  # q | k | v of each sequence, one row
+    q, k_new, v_new = qkv[:, :H], qkv[:, H : H + H_kv], qkv[:, H + H_kv :]
+    for b, n in enumerate(lens):  # the appended row is the cache's row len - 1
+        k_new[b] = cache["k_cache"][b, :, n - 1]
+        v_new[b] = cache["v_cache"][b, :, n - 1]
+    seq = cp.asarray(np.array(lens, dtype=np.int32))
+    args = dict(seq_lens=seq, split_keys=split_keys, threads=threads, **cache)
+    plain = K.decode_attention(q, **args)
+    out = poisoned((B, H, D), dtype)
+    K.decode_attention(q, appended=(k_new, v_new), out=out, **args)
+    assert cp.array_equal(out.view(cp.uint8), plain.view(cp.uint8))
+    for b, n in enumerate(lens):
+        if n <= 8:  # inside the first trip of every block shape: read from the appended row only
+            for c in (cache["k_cache"], cache["v_cache"]):
+                c[b, :, n - 1] = poisoned(c[b, :, n - 1].shape, c.dtype)
+    out = poisoned((B, H, D), dtype)
+    K.decode_attention(q, appended=(k_new, v_new), out=out, **args)
+    check(out, ref.decode_attention(qkvh[:, :H], k_host, v_host, lens), dtype)
+
+
+@pytest.mark.parametrize("threads", [128, 512])
 @pytest.mark.parametrize("qpb", [1, 2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_attention_every_block_shape(dtype, qpb, threads, monkeypatch):
@@ -247,6 +280,18 @@ def test_decode_attention_bad_inputs_raise():
         K.decode_attention(q, kc, kc, seq, split_keys=64, merge="kernel")
     with pytest.raises(ValueError, match="alibi_slopes"):
         K.decode_attention(q, kc, kc, seq, alibi_slopes=cp.zeros(4, np.float32))
+    rows = cp.zeros((2, 16, 64), np.float16)  # q | k | v, 8 query heads and 4 KV heads
+    with pytest.raises(ValueError, match="appended k must have shape"):
+        K.decode_attention(rows[:, :8], kc, kc, seq, appended=(rows[:, 8:11], rows[:, 12:15]))
+    with pytest.raises(ValueError, match="batch stride"):
+        K.decode_attention(rows[:, :8], kc, kc, seq, appended=(cp.zeros((2, 4, 64), np.float16), rows[:, 12:]))
+    with pytest.raises(TypeError, match="appended v"):
+        K.decode_attention(rows[:, :8], kc, kc, seq, appended=(rows[:, 8:12], rows[:, 12:].astype(np.float32)))
+    with pytest.raises(TypeError, match="pair"):
+        K.decode_attention(rows[:, :8], kc, kc, seq, appended=rows[:, 8:12])
+    with pytest.raises(ValueError, match="appended rows take a cache"):
+        K.decode_attention(rows[:, :8], kq, kq, seq, k_scale=cp.ones((2, 4, 16), np.float32),
+                           v_scale=cp.ones((2, 4, 16), np.float32), appended=(rows[:, 8:12], rows[:, 12:]))
     with pytest.raises(TypeError, match="v_cache"):
         K.decode_attention(q, kc, kc.astype(np.float32), seq)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
