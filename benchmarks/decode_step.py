@@ -1,7 +1,7 @@
 """Where a generated token's time goes, and the matrix-vector products on their own.
 
     python -m benchmarks.decode_step [--quick] [--skip-gemv] [--skip-profile] [--gemv-batches 1 64]
-                                     [--sweep-dtypes float16 float32] [--steps SIZE:DTYPE:BATCH ...]
+                                     [--sweep-dtypes float16 float32] [--steps SIZE:DTYPE:BATCH ...] [--chain]
 
 1. Products (``linear``), each weight shape of GPT-2 small and XL, B = 1 (and the rows of x
    ``--gemv-batches`` gives):
@@ -31,6 +31,12 @@
 
 Writes benchmarks/results/decode_step-<device>.json and decode_step-<device>.png
 (``--replot FILE`` redraws the picture from a results file, without a GPU).
+``--chain``: only a chain of 63 dependent kernels with nothing to read (GPT-2 small's step
+has 63), each empty or handing a row of 768 floats to the next through L2, in a CUDA graph
+with and without programmatic dependent launch, and the same hand-offs as phases of one
+cooperative launch with a grid-wide barrier between them: what a step of that many kernels,
+or of that many phases of a persistent kernel, pays whatever its bytes
+(decode_step_chain-<device>.json).
 ``--carveout-sweep [SIZE:DTYPE:BATCH ...]``: only the step with every kernel's split of L1 and
 shared memory set alike at several splits, against the driver's choice, and each kernel's
 registers, shared memory and blocks an SM (decode_step_carveout-<device>.json).
@@ -94,6 +100,113 @@ def launch_floor() -> dict:
     t = time_gpu(lambda: kernel((sms,), (256,), ()))
     return {"bench": "launch", "impl": "empty", "timing": "cold", "blocks": sms, "threads": 256,
             **{k: round(v, 3) for k, v in t.items()}}
+
+
+_CHAIN_SRC = r"""
+extern "C" __global__ void chain_empty_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// out[j] = in[j] + 1e-6 * sum(in) over this block's slice of j: every block reads the whole
+// row the kernel before it wrote (through L2), folds it across the block, writes a slice.
+extern "C" __global__ void chain_row_kernel(float* __restrict__ out, const float* __restrict__ in, int C) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+    __shared__ float part[32];
+    float v = 0.f;
+    for (int i = threadIdx.x; i < C; i += blockDim.x) v += in[i];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < (int)blockDim.x / 32; ++w) total += part[w];
+    const int per = (C + gridDim.x - 1) / gridDim.x, j = blockIdx.x * per + threadIdx.x;
+    if (threadIdx.x < per && j < C) out[j] = in[j] + 1e-6f * total;
+}
+
+// The same hand-offs as phases of one cooperative launch (one block an SM, all resident),
+// with a grid-wide barrier between phases instead of a kernel boundary: an arrival counter
+// (sync[0]) that only grows within a launch, phase p waiting for (p + 1) x gridDim.x
+// arrivals; the last block to finish (sync[1]) sets both back to zero. The rows other blocks
+// wrote in this launch are read through L2 (ld.global.cg).
+extern "C" __global__ void chain_persistent_kernel(float* a, float* b, unsigned* sync, int C, int phases) {
+    __shared__ float part[32];
+    for (int p = 0; p < phases; ++p) {
+        const float* in = p % 2 ? b : a;
+        float* out = p % 2 ? a : b;
+        float v = 0.f;
+        for (int i = threadIdx.x; i < C; i += blockDim.x) v += __ldcg(in + i);
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+        __syncthreads();
+        float total = 0.f;
+        for (int w = 0; w < (int)blockDim.x / 32; ++w) total += part[w];
+        const int per = (C + gridDim.x - 1) / gridDim.x, j = blockIdx.x * per + threadIdx.x;
+        if (threadIdx.x < per && j < C) out[j] = __ldcg(in + j) + 1e-6f * total;
+        __syncthreads();  // every thread's store and read of part done before thread 0 arrives
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(sync, 1u);
+            const unsigned target = (p + 1u) * gridDim.x;
+            unsigned seen = 0;
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(sync) : "memory");
+            } while (seen < target);
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0 && atomicAdd(sync + 1, 1u) == gridDim.x - 1) {
+        sync[0] = 0;  // every block is past its last barrier: no one reads sync[0] again
+        sync[1] = 0;
+    }
+}
+"""
+
+
+def chain_floor(pdl_ok: bool, kernels: int = 63, C: int = 768) -> list[dict]:
+    """What a chain of ``kernels`` dependent launches costs with no weights to read: as many
+    as GPT-2 small's decode step, one block of 256 threads an SM each, in a CUDA graph, with
+    and without programmatic dependent launch. ``empty``: the launches alone; ``row``: each
+    kernel reads the row of C floats the one before it wrote (every block the whole row,
+    through L2), folds it and writes its slice of the next row, the smallest hand-off a step's
+    kernel makes. Its time over ``kernels`` is what a step of that many kernels pays however
+    few bytes they read. ``persistent``: the same ``kernels`` hand-offs as phases of one
+    cooperative launch with a grid-wide barrier between them (where cuda.bindings can make
+    cooperative launches): what a barrier costs in place of a kernel boundary."""
+    mod = cp.RawModule(code=_CHAIN_SRC)
+    empty, row = mod.get_function("chain_empty_kernel"), mod.get_function("chain_row_kernel")
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    bufs = [cp.random.standard_normal(C, dtype=cp.float32) for _ in range(2)]
+    plans = {"empty": _build.Plan(_build.Launch(empty, (sms,), (256,), (), 0, True) for _ in range(kernels)),
+             "row": _build.Plan(_build.Launch(row, (sms,), (256,), (bufs[(i + 1) % 2], bufs[i % 2], np.int32(C)), 0,
+                                              True) for i in range(kernels))}
+    if _build.cooperative_supported():
+        persistent = mod.get_function("chain_persistent_kernel")
+        sync = cp.zeros(2, dtype=cp.uint32)
+        plans["persistent"] = _build.Plan([_build.Launch(persistent, (sms,), (256,),
+                                                         (bufs[0], bufs[1], sync, np.int32(C), np.int32(kernels)),
+                                                         0, False, True)])
+    rows = []
+    stream = cp.cuda.Stream(non_blocking=True)
+    for impl, plan in plans.items():
+        for pdl in (False, True) if pdl_ok and impl != "persistent" else (False,):
+            with stream:
+                plan.replay()
+                stream.synchronize()
+                stream.begin_capture()
+                plan.replay(pdl=pdl)
+                graph = stream.end_capture()
+            us = graph_replay_us(graph, stream, 1)
+            rows.append({"bench": "chain", "impl": impl, "kernels": kernels, "C": C, "blocks": sms, "threads": 256,
+                         "pdl": pdl, "us": round(us, 2), "us_per_kernel": round(us / kernels, 3)})
+            print(f"chain of {kernels} {impl:10s} kernels, pdl {pdl!s:5s}: {us:8.2f} us, {us / kernels:.2f} a kernel",
+                  flush=True)
+    return rows
 
 
 def bench_gemv(sizes, dtypes, ceiling, pdl_ok, sweep_dtypes, batches=(1,)) -> list[dict]:
@@ -469,6 +582,8 @@ def main():
                    help="dtypes whose other launch shapes are timed too (default: float16)")
     p.add_argument("--steps", nargs="*", metavar="SIZE:DTYPE:BATCH",
                    help="decode steps to profile (default: every size and dtype at batch 1 and 8)")
+    p.add_argument("--chain", action="store_true",
+                   help="only the chain of empty / row hand-off kernels (decode_step_chain-<device>.json)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the picture from a results file")
     p.add_argument("--carveout-sweep", nargs="*", metavar="SIZE:DTYPE:BATCH",
                    help="only the step with every kernel's split of L1 and shared memory set alike, at several "
@@ -491,6 +606,9 @@ def main():
                  ("gpt2:float16:1", "gpt2:float16:8", "gpt2-xl:float16:1")]
         print(write_results("decode_step_carveout", carveout_sweep(cases, ceiling, pdl_ok),
                             {"copy_GBps": round(ceiling, 1)}))
+        return
+    if args.chain:
+        print(write_results("decode_step_chain", chain_floor(pdl_ok), {"copy_GBps": round(ceiling, 1)}))
         return
     rows = []
     if not args.skip_gemv:
