@@ -111,22 +111,29 @@ extern "C" __global__ void chain_empty_kernel() {
 }
 
 // out[j] = in[j] + 1e-6 * sum(in) over this block's slice of j: every block reads the whole
-// row the kernel before it wrote (through L2), folds it across the block, writes a slice.
-extern "C" __global__ void chain_row_kernel(float* __restrict__ out, const float* __restrict__ in, int C) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-    __shared__ float part[32];
+// row written before (L2: through L2 only, ld.global.cg), folds it across the block, writes a slice.
+template <bool L2> __device__ __forceinline__ float load(const float* p) { return L2 ? __ldcg(p) : *p; }
+template <bool L2>
+__device__ __forceinline__ void hand_off(float* __restrict__ out, const float* __restrict__ in, int C, float* part) {
     float v = 0.f;
-    for (int i = threadIdx.x; i < C; i += blockDim.x) v += in[i];
+    for (int i = threadIdx.x; i < C; i += blockDim.x) v += load<L2>(in + i);
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
     __syncthreads();
     float total = 0.f;
     for (int w = 0; w < (int)blockDim.x / 32; ++w) total += part[w];
     const int per = (C + gridDim.x - 1) / gridDim.x, j = blockIdx.x * per + threadIdx.x;
-    if (threadIdx.x < per && j < C) out[j] = in[j] + 1e-6f * total;
+    if (threadIdx.x < per && j < C) out[j] = load<L2>(in + j) + 1e-6f * total;
+}
+
+// the row the kernel before wrote
+extern "C" __global__ void chain_row_kernel(float* __restrict__ out, const float* __restrict__ in, int C) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+    __shared__ float part[32];
+    hand_off<false>(out, in, C, part);
 }
 
 // The same hand-offs as phases of one cooperative launch (one block an SM, all resident),
@@ -137,17 +144,7 @@ extern "C" __global__ void chain_row_kernel(float* __restrict__ out, const float
 extern "C" __global__ void chain_persistent_kernel(float* a, float* b, unsigned* sync, int C, int phases) {
     __shared__ float part[32];
     for (int p = 0; p < phases; ++p) {
-        const float* in = p % 2 ? b : a;
-        float* out = p % 2 ? a : b;
-        float v = 0.f;
-        for (int i = threadIdx.x; i < C; i += blockDim.x) v += __ldcg(in + i);
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
-        __syncthreads();
-        float total = 0.f;
-        for (int w = 0; w < (int)blockDim.x / 32; ++w) total += part[w];
-        const int per = (C + gridDim.x - 1) / gridDim.x, j = blockIdx.x * per + threadIdx.x;
-        if (threadIdx.x < per && j < C) out[j] = __ldcg(in + j) + 1e-6f * total;
+        hand_off<true>(p % 2 ? a : b, p % 2 ? b : a, C, part);
         __syncthreads();  // every thread's store and read of part done before thread 0 arrives
         if (threadIdx.x == 0) {
             __threadfence();
