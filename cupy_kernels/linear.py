@@ -203,7 +203,16 @@ def _mma_warps(K: int) -> int:
     620.7 / 588.9 and 690.2 / 654.6, large 1133.2 / 1097.0 and 1266.0 / 1217.9, XL 1891.5 /
     1769.5 and 2144.0 / 2097.7, but small 244.2 / 256.1 and 285.3 / 285.3 (at U = 4: 251.6,
     289.5): a block of 16 warps at 128 registers takes a whole SM's registers, so it waits for
-    the SM to empty instead of starting beside the kernel before it. Small keeps 8."""
+    the SM to empty instead of starting beside the kernel before it. Small keeps 8.
+    The MLP down's 16-warp blocks of GPT-2 medium to XL measured again against blocks that leave
+    room beside them (the step with PDL at 264 cached keys, us, two rounds of one run): at U = 4
+    (64 registers, two blocks an SM; benchmarks/results/mlp_down_batch-h100.log) medium
+    577.0 / 577.9, large 1076.0 / 1023.4, XL 1610.5 / 1849.8; K in 2 / 4 / 8 slices over blocks
+    of 8 / 8 / 4 warps, the last block of a tile adding them up (branch k-slices;
+    benchmarks/results/mlp_down_k_slices-h100.log) medium 585.4 / 589.9, 578.1, 560.6, large
+    1086.7 / 1048.8, 1093.3, 1085.8, XL 1631.4 / 1747.4, 1832.5, 1818.5. XL loses 7-15% with
+    every one; medium and large gain 3-5% with one each, a different one, which one run does
+    not make a rule of: 16 warps stay."""
     chunks = _build.cdiv(K, 32)
     kw = min(MMA_NARROW_WARPS, _build.cdiv(chunks, MMA_CHUNKS_PER_WARP))
     if _build.cdiv(chunks, kw) >= 2 * _MMA_BATCH[1][-1]:

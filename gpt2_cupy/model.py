@@ -57,6 +57,14 @@ PLANS = 8
 # tokens at batch 64 90.8k-91.4k / 89.4k-91.7k / 94.5k-94.6k tok/s; the 1,000-prompt workload
 # (benchmarks/e2e.py) with 64 slots 59.9k, 55.6k / 56.4k, 52.0k / 60.9k, 56.6k (the two runs of
 # each in the order 384, 512, 448, 384, 512, 448: the spread is the runs').
+# Chunks of one or two loop trips (64 or 128 keys at 128 threads; branch attention-fixed-chunks),
+# every split requesting its rows before the wait, lost wherever a sequence fits in one 512-key
+# chunk: the step with PDL at 64 / 264 / 520 / 900 cached keys, us, 512 against 128 (two rounds
+# of one run, benchmarks/results/attention_fixed_chunks-h100.log): GPT-2 small float16 B = 1
+# 225.7 / 236.7 / 262.3 / 291.7 against 234.3 / 255.1 / 254.9 / 263.0, XL 1585.5 / 1604.6 /
+# 1717.5 / 1837.0 against 1615.8 / 1685.7 / 1697.9 / 1718.5; with the rows requested only once
+# the length is known, 250.3 at 264 keys for small. The merge of the chunks costs more than the
+# trips it saves up to about 264 keys (the e2e benchmark's 512 tokens average 264).
 DECODE_SPLIT_KEYS = 512
 DECODE_WIDE_THREADS = 512  # the decode step's attention block for a float32 cache (_decode_attention_shape)
 
@@ -424,7 +432,11 @@ class GPT2:
         # splits merged by a second kernel, before: GPT-2 small at B = 1 2.8 + 1.7 us a layer
         # in a CUDA graph, 5.0 us with the last-block merge; decode_step.py, H100; merged
         # instead by every block of the attention projection in its prologue, a thread per
-        # column in turn: 362 / 788 us a step at B = 1 / 8, against 255 / 296)
+        # column in turn: 362 / 788 us a step at B = 1 / 8, against 255 / 296; run inside
+        # the q|k|v product by the last block of a head to finish, with this kernel's bits
+        # (branch qkv-attend: 154-181 registers, one 8-warp block an SM), 241.0 / 1862.7 us a
+        # step for GPT-2 small / XL at B = 1 with 64 cached keys against 225.7 / 1607.2,
+        # benchmarks/results/qkv_attend-h100.log)
         split_keys, threads = self._decode_attention_shape(cache)
         stats = buf.stats if self.folded else None  # [B, C / 16, 2]: of the residual stream buf.x
 
@@ -472,7 +484,12 @@ class GPT2:
         243.2 / 268.7 / 317.7 / 364.3 against 283.5 / 285.2 / 351.4 / 379.5; GPT-2 XL B = 1
         1606.5 / 1624.7 / 1738.6 / 1859.5 against 1584.2 / 1586.1 / 1626.9 / 1677.0. 512 wins
         on long caches at B = 1 but loses at B = 8 and on short caches, and one width serves
-        every batch size (a sequence's bits must not depend on its batch): 128 stays."""
+        every batch size (a sequence's bits must not depend on its batch): 128 stays.
+        Measured for every size in one run (benchmarks/results/attention_threads-h100.log, us a
+        step at 264 cached keys, 128 / 512): B = 1 small 235.6 / 237.2, medium 548.1 / 522.2,
+        large 1053.5 / 964.4, XL 1646.6 / 1613.9; B = 8 small 269.5 / 273.6, medium 629.4 /
+        653.0, large 1141.6 / 1251.7, XL 1957.9 / 2211.3: every size loses at batch 8 about
+        what 512 gains it at batch 1, or more."""
         cfg = self.config
         if self.dtype == numpy.float32 and cache.k.dtype == numpy.float32:
             return DECODE_SPLIT_KEYS, DECODE_WIDE_THREADS
