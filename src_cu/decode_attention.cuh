@@ -244,6 +244,16 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
     const bool fresh = PRE_WAIT && k_new != nullptr && early;
     if constexpr (PRE_WAIT) {
         griddep_wait();  // q, seq_lens and the appended row: the previous kernel's work
+        // The next kernel may start now: its weights stream in during the attention. They slow
+        // the attention's row loads (the attention projection's blocks held back until the
+        // attention's blocks end: its loop over 264 keys 2.4 against 4.5 us, GPT-2 small
+        // float16 at B = 1, in a timeline of every block; branch step-timeline), but letting
+        // the next kernel go only once every row is here lost (H100, the step with PDL at
+        // 64 / 264 / 520 / 900 cached keys, us, two rounds of one run, benchmarks/results/
+        // attention_trigger-h100.log): GPT-2 small B = 1 226.3 / 237.1 / 261.0 / 292.8
+        // against 228.4 / 243.4 / 269.2 / 297.5, XL 1581.1 / 1601.2 / 1711.0 / 1830.2 against
+        // 1628.8 / 1701.4 / 1733.2 / 1819.3, XL B = 8 1955.7 against 2098.0 at 264 (it won
+        // only on long caches at B = 8: GPT-2 small 355.2 against 368.1 us at 900 keys).
         griddep_launch_dependents();
         if (fresh) {
             k_fresh.load_l2(k_new + b * q_sb + g * D + sub * VEC);
