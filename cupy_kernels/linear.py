@@ -212,7 +212,11 @@ def _mma_warps(K: int) -> int:
     benchmarks/results/mlp_down_k_slices-h100.log) medium 585.4 / 589.9, 578.1, 560.6, large
     1086.7 / 1048.8, 1093.3, 1085.8, XL 1631.4 / 1747.4, 1832.5, 1818.5. XL loses 7-15% with
     every one; medium and large gain 3-5% with one each, a different one, which one run does
-    not make a rule of: 16 warps stay."""
+    not make a rule of: 16 warps stay. GPT-2 small's MLP down (two batches of W a warp at 8
+    warps, the second after the wait) in K slices of 2 x 8, 4 x 4, 4 x 8 and 8 x 4 warps (H200,
+    benchmarks/results/w_prefetch_k_slices_epilogue-h200.log, "ks"): at 264 cached keys B = 1
+    222.6, 222.6, 230.1, 233.0 against 220.4 us with 8 warps, B = 8 263.0, 260.7, 278.5, 277.0
+    against 262.9; 4 x 4 gained 2% at B = 8 past 520 keys only: 8 warps stay."""
     chunks = _build.cdiv(K, 32)
     kw = min(MMA_NARROW_WARPS, _build.cdiv(chunks, MMA_CHUNKS_PER_WARP))
     if _build.cdiv(chunks, kw) >= 2 * _MMA_BATCH[1][-1]:

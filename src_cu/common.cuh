@@ -117,7 +117,11 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 // evict-normal policy, XL 1694, small 253; built once a kernel, the loads predicated (and
 // moved), nothing. With the coherent loads, evict-first once a kernel where one n-tile runs
 // in one block row (B <= 8) measured XL 1680 and small 234-235 against 1683-1688 and
-// 235-238 without it (pdl_w_before_wait-h100.log, v2): within run-to-run spread, not kept.)
+// 235-238 without it (pdl_w_before_wait-h100.log, v2): within run-to-run spread, not kept.
+// Together with an evict-last policy on the KV cache (branch kv-l2, kv_l2-h100.log, the step
+// with PDL at 64 / 264 / 520 / 900 cached keys): GPT-2 small B = 1 222.1 / 235.8 / 261.2 /
+// 294.3 against 226.5 / 237.0 / 263.9 / 292.1 us, XL 1567.9 / 1606.1 / 1718.1 / 1845.0
+// against 1590.2 / 1598.0 / 1710.8 / 1831.5, and B = 8 1% slower: a gain on short caches only.)
 __device__ __forceinline__ uint4 load_stream16(const void* p) {
     uint4 r;
     asm("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"

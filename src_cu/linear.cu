@@ -619,7 +619,13 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
             }
         }
     };
-    // before the wait: only what no kernel of the step writes (weights, bias, LN parameters)
+    // before the wait: only what no kernel of the step writes (weights, bias, LN parameters).
+    // Also requesting a warp's chunks past this batch into L2 here (prefetch.global.L2, one
+    // request a 32-byte sector; branch w-prefetch) lost: H200, the step with PDL at 64 / 264 /
+    // 520 / 900 cached keys, us, two rounds of one run (benchmarks/results/
+    // w_prefetch_k_slices_epilogue-h200.log, "pf"): GPT-2 small float16 B = 1 208.3 / 228.1 /
+    // 254.2 / 278.5 against 208.6 / 220.4 / 240.9 / 267.1, XL 1438.0 / 1514.1 / 1622.3 /
+    // 1731.5 against 1390.1 / 1453.3 / 1557.3 / 1664.8.
     load_w(wa, wb, 0);
     if constexpr (XIN == X_LN_FOLD) {
         if (threadIdx.x < TM) {
@@ -750,7 +756,19 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
         float s = 0.0f;
         if (active) {
             const float* part = red + (r >> 4) * COLS * RED_STRIDE + bl * RED_STRIDE + (r & 15);
-            for (int w = 0; w < KW; ++w) s += part[w * MT * COLS * RED_STRIDE];  // in warp order
+            // every warp's partial requested at once, then added in warp order (the bits of a
+            // loop over KW, which waited for each read before the next: H100, the step with PDL
+            // at 64 / 264 / 520 / 900 cached keys, us, two rounds of one run, benchmarks/results/
+            // epilogue_sum-h100.log, with row_stats' reads four at a time: GPT-2 small float16
+            // B = 1 221.2 / 230.2 / 255.0 / 288.8 against 225.1 / 235.8 / 262.5 / 290.6, XL
+            // 1565.4 / 1573.1 / 1684.4 / 1809.1 against 1587.2 / 1602.8 / 1713.1 / 1835.8;
+            // under 1% at B = 8)
+            float pw[mma_max_threads<MT>() / 32];
+#pragma unroll
+            for (int w = 0; w < mma_max_threads<MT>() / 32; ++w) pw[w] = w < KW ? part[w * MT * COLS * RED_STRIDE] : 0.0f;
+#pragma unroll
+            for (int w = 0; w < mma_max_threads<MT>() / 32; ++w)
+                if (w < KW) s += pw[w];
             if constexpr (XIN == X_LN_FOLD) s = unfold_ln(s, s_mean[bl], s_u[r], s_rstd[bl]);
         }
         if (!valid) {

@@ -47,6 +47,7 @@ constexpr int ROW_LANES = 8;  // lanes combining one row's sets (a warp does 4 r
 __device__ __forceinline__ void row_stats(const float2* sets, int n_sets, int K, int sub, float& mean, float& m2) {
     const float c = sets[0].x;
     float s = 0.0f, q = 0.0f;
+#pragma unroll 4  // four sets' reads in flight, the same order of sums (linear.cu's epilogue has the figures)
     for (int j = sub; j < n_sets; j += ROW_LANES) {
         const float2 v = sets[j];
         const float n = static_cast<float>(min(16, K - 16 * j)), d = __fsub_rn(v.x, c);
