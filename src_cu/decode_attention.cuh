@@ -253,7 +253,12 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
         // attention_trigger-h100.log): GPT-2 small B = 1 226.3 / 237.1 / 261.0 / 292.8
         // against 228.4 / 243.4 / 269.2 / 297.5, XL 1581.1 / 1601.2 / 1711.0 / 1830.2 against
         // 1628.8 / 1701.4 / 1733.2 / 1819.3, XL B = 8 1955.7 against 2098.0 at 264 (it won
-        // only on long caches at B = 8: GPT-2 small 355.2 against 368.1 us at 900 keys).
+        // only on long caches at B = 8: GPT-2 small 355.2 against 368.1 us at 900 keys). Letting
+        // it go at the attention's start, as the products do, won on one-trip and two-chunk
+        // caches and lost between (attention_trigger_start-h100.log, same keys, us: GPT-2 small
+        // B = 1 215.2 / 229.8 / 257.3 / 285.3 against 221.3 / 232.8 / 257.9 / 292.3, B = 8 281.7
+        // against 267.1 at 264; XL B = 1 1553.6 / 1615.0 / 1722.2 / 1805.0 against 1565.2 /
+        // 1579.1 / 1689.5 / 1816.1).
         griddep_launch_dependents();
         if (fresh) {
             k_fresh.load_l2(k_new + b * q_sb + g * D + sub * VEC);
