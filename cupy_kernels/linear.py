@@ -216,7 +216,13 @@ def _mma_warps(K: int) -> int:
     warps, the second after the wait) in K slices of 2 x 8, 4 x 4, 4 x 8 and 8 x 4 warps (H200,
     benchmarks/results/w_prefetch_k_slices_epilogue-h200.log, "ks"): at 264 cached keys B = 1
     222.6, 222.6, 230.1, 233.0 against 220.4 us with 8 warps, B = 8 263.0, 260.7, 278.5, 277.0
-    against 262.9; 4 x 4 gained 2% at B = 8 past 520 keys only: 8 warps stay."""
+    against 262.9; 4 x 4 gained 2% at B = 8 past 520 keys only: 8 warps stay. In 16 warps again,
+    now that the epilogue requests the warps' partial sums at once (H100, two rounds of one run,
+    benchmarks/results/mlp_down_16_warps_small-h100.log, us at 64 / 264 / 520 / 900 cached
+    keys): at U = 6 (one batch, 100 registers) B = 1 224.8 / 243.3 / 266.0 / 292.6 against
+    221.5 / 232.5 / 258.3 / 292.6, but B = 8 235.3 / 259.0 / 304.0 / 352.1 against 243.6 /
+    266.4 / 319.1 / 366.6; U = 8 and U = 4 lost at B = 1 as well. The warps must be one number
+    for every batch (they fix the bits): 8 stay, for batch 1."""
     chunks = _build.cdiv(K, 32)
     kw = min(MMA_NARROW_WARPS, _build.cdiv(chunks, MMA_CHUNKS_PER_WARP))
     if _build.cdiv(chunks, kw) >= 2 * _MMA_BATCH[1][-1]:
