@@ -44,8 +44,8 @@ template <> struct KvFormat<__nv_fp8_e4m3> {
 // the step with PDL at 64 / 264 / 520 / 900 cached keys, us, two rounds of one run,
 // benchmarks/results/kv_l2-h100.log, "kvo": GPT-2 small float16 B = 1 227.6 / 237.8 / 264.3 /
 // 291.4 against 226.5 / 237.0 / 263.9 / 292.1, XL 1588.9 / 1598.6 / 1706.2 / 1830.3 against
-// 1590.2 / 1598.0 / 1710.8 / 1831.5): the attention's row loads wait behind the weights the
-// next kernels request meanwhile, whether the rows come from L2 or from memory.
+// 1590.2 / 1598.0 / 1710.8 / 1831.5), as if the attention's row loads waited behind the
+// weights that the next kernels request meanwhile whether they hit L2 or not.
 template <typename KT> struct KvVec {
     static constexpr int N = 16 / sizeof(KT);
     uint4 raw;
