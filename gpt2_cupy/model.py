@@ -65,6 +65,16 @@ PLANS = 8
 # 1717.5 / 1837.0 against 1615.8 / 1685.7 / 1697.9 / 1718.5; with the rows requested only once
 # the length is known, 250.3 at 264 keys for small. The merge of the chunks costs more than the
 # trips it saves up to about 264 keys (the e2e benchmark's 512 tokens average 264).
+# One chunk up to 512 keys and chunks of 256 / 128 keys past it (a rule in chunk_length; the
+# grid then holds 4 / 8 blocks a head, the unused ones returning after the wait) won on long
+# caches and cost GPT-2 XL at batch 1 on short ones (two rounds of one run, benchmarks/results/
+# attention_single_chunk-h100.log, 256 keys): GPT-2 small B = 1 220.4 / 231.1 / 250.5 / 271.8
+# against 221.6 / 232.7 / 255.5 / 289.2, B = 8 261.2 against 268.5 at 264; XL B = 1 1594.9 /
+# 1614.5 / 1696.5 / 1777.2 against 1568.5 / 1574.9 / 1685.6 / 1811.2. With the attention also
+# letting the next kernel start at its own start (benchmarks/results/
+# attention_trigger_start_chunks-h100.log), chunks of 256 keys for every length: GPT-2 small
+# B = 1 211.9 / 241.1 / 246.3 / 261.9 against 220.7 / 232.0 / 257.3 / 287.6, XL 1543.8 / 1670.8
+# / 1703.3 / 1750.4 against 1557.7 / 1576.1 / 1687.2 / 1812.2.
 DECODE_SPLIT_KEYS = 512
 DECODE_WIDE_THREADS = 512  # the decode step's attention block for a float32 cache (_decode_attention_shape)
 
