@@ -67,7 +67,7 @@ PLANS = 8
 # trips it saves up to about 264 keys (the e2e benchmark's 512 tokens average 264).
 # One chunk up to 512 keys and chunks of 256 / 128 keys past it (a rule in chunk_length; the
 # grid then holds 4 / 8 blocks a head, the unused ones returning after the wait) won on long
-# caches and cost GPT-2 XL at batch 1 on short ones (two rounds of one run, benchmarks/results/
+# caches and cost GPT-2 XL at batch 1 on short ones, where only those unused blocks differ (two rounds of one run, benchmarks/results/
 # attention_single_chunk-h100.log, 256 keys): GPT-2 small B = 1 220.4 / 231.1 / 250.5 / 271.8
 # against 221.6 / 232.7 / 255.5 / 289.2, B = 8 261.2 against 268.5 at 264; XL B = 1 1594.9 /
 # 1614.5 / 1696.5 / 1777.2 against 1568.5 / 1574.9 / 1685.6 / 1811.2. With the attention also
