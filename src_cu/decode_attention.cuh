@@ -201,6 +201,17 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
     // 6.22, S=512 7.26 / 7.36 cold and 4.13 -> 3.96 in a replayed graph). float32 rows
     // keep it (their speed is not measured): without it ptxas spilled 12 bytes for sm_80
     // with 2 heads per block.
+    // More rows in flight for one query head per block of 128 threads on 16-bit rows (H100,
+    // the decode step with PDL at 64 / 264 / 520 / 900 cached keys, us; README, "The decode
+    // step"): 4 trips requested ahead in registers (same bits; attention_ahead-h100.log)
+    // took GPT-2 XL at B = 1 from 1564.3 / 1576.4 / 1688.1 / 1813.7 to 1552.8 / 1554.8 /
+    // 1605.9 / 1686.3 but GPT-2 small from 220.6 / 231.5 / 257.0 / 288.9 to 226.0 / 241.3 /
+    // 264.3 / 282.4, and UNROLL 8 (attention_unroll-h100.log) did much the same: small loses
+    // even at 64 keys, where 4 ahead has no more rows in flight and only its registers differ
+    // (218 against 118; 188 with UNROLL 8); GPT-2 medium and large at B = 1 won at every
+    // length, XL at B = 8 lost at 64 keys (attention_depth_sizes-h100.log). Trips in shared
+    // memory by cp.async (attention_ring-h100.log) lost everywhere: the kernel asks for a
+    // larger split of shared memory than the products.
     constexpr bool PIPELINE = QPB * VEC <= 8 && (THREADS == 128 || sizeof(KT) == 4);
     constexpr int UNROLL = 4;
     // Grouped heads read rows with the evict-first hint (ld.global.cs): measured on an H100
