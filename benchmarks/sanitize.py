@@ -14,6 +14,7 @@ import numpy as np
 
 import cupy_kernels as K
 from cupy_kernels import _build
+from cupy_kernels.decode_attention import AHEAD_DEEP
 
 
 def main():
@@ -59,6 +60,10 @@ def main():
             for threads in (128, 512):
                 K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32), split_keys=40,
                                    threads=threads, appended=(qkv[:, 0, 1], qkv[:, 0, 2]))
+            if np.dtype(dtype).itemsize == 2:  # several loop trips requested ahead, one chunk and chunks of 40
+                for keys in (None, 40):
+                    K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32), split_keys=keys,
+                                       threads=128, appended=(qkv[:, 0, 1], qkv[:, 0, 2]), ahead=AHEAD_DEEP)
             for kv in ("int8", "fp8"):  # quantized caches, GQA (4 query heads per KV head), ALiBi, splits
                 storage = K.kv_storage_dtype(kv, dtype)
                 kq, vq = cp.empty((2, 2, T + 5, D), storage), cp.empty((2, 2, T + 5, D), storage)

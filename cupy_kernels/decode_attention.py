@@ -68,8 +68,14 @@ _BLOCKS_PER_SM = 4
 _UNSPLIT_TRIPS = 4
 
 
-def _name(c_type: str, kv_type: str, head_dim: int, qpb: int, threads: int) -> str:
-    return f"decode_attention_kernel<{c_type}, {kv_type}, {head_dim}, {qpb}, {threads}>"
+# Loop trips a block requests ahead of the one it uses: 1, or AHEAD_DEEP for one query head
+# per block of 128 threads on 16-bit rows in q's dtype (the same bits; decode_attention.cuh,
+# attend's AHEAD, has the measurements; the decode step picks it per model and batch).
+AHEAD_DEEP = 4
+
+
+def _name(c_type: str, kv_type: str, head_dim: int, qpb: int, threads: int, ahead: int = 1) -> str:
+    return f"decode_attention_kernel<{c_type}, {kv_type}, {head_dim}, {qpb}, {threads}, {ahead}>"
 
 
 def _merge_name(c_type: str, head_dim: int) -> str:
@@ -84,6 +90,7 @@ _build.declare(
         for kv in (c, *KV_CTYPES.values())
     ]
     + [_name(c, c, d, qpb, _WIDE) for c, d, qpb in itertools.product(_build.CTYPES.values(), HEAD_DIMS, _QPB)]
+    + [_name(c, c, d, 1, _THREADS, AHEAD_DEEP) for c, d in itertools.product(("__half", "__nv_bfloat16"), HEAD_DIMS)]
     + [_merge_name(c, d) for c, d in itertools.product(_build.CTYPES.values(), HEAD_DIMS)],
     pdl=True,
 )
@@ -182,7 +189,7 @@ def _or_null(*arrays):
 
 def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=None, alibi_slopes=None,
                      scale: float | None = None, num_splits: int | None = None, split_keys: int | None = None,
-                     threads: int | None = None, merge: str = "last-block", appended=None,
+                     threads: int | None = None, merge: str = "last-block", appended=None, ahead: int = 1,
                      out=None) -> cupy.ndarray:
     """``softmax(q . K[:len] * scale + alibi) V[:len]`` for each sequence and query head.
 
@@ -212,6 +219,9 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     qkv buffer qualify), caches in q's dtype only: the row each sequence's cache holds at len
     - 1, as the kernel ahead wrote it; read then with q and the lengths instead of from the
     cache once the lengths are known (the same numbers, one memory round trip less).
+    ahead: loop trips a block requests before the one it uses, 1 or AHEAD_DEEP (4: float16
+    or bfloat16 caches in q's dtype, one query head per block of 128 threads); the same
+    numbers either way.
     Returns [B, H, D] in q's dtype.
     """
     q = _checks.float_array(q, "q", ndim=3, contiguous=False)
@@ -257,6 +267,11 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
         raise ValueError(f"threads must be {_THREADS} or {_WIDE}, got {threads}")
     if threads == _WIDE and quantized:
         raise ValueError(f"{_WIDE} threads per block take a cache in q's dtype, not {k_cache.dtype}")
+    if ahead not in (1, AHEAD_DEEP):
+        raise ValueError(f"ahead must be 1 or {AHEAD_DEEP}, got {ahead!r}")
+    if ahead != 1 and (quantized or q.dtype == numpy.float32):
+        raise ValueError(f"{ahead} trips ahead take a float16 or bfloat16 cache in q's dtype, not {k_cache.dtype} "
+                         f"with q {q.dtype}")
     if merge not in ("last-block", "kernel"):
         raise ValueError(f"merge must be 'last-block' or 'kernel', got {merge!r}")
     k_new = v_new = None
@@ -279,9 +294,12 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     kern, blocks, splits, auto_threads = launch_config(q.dtype, k_cache.dtype, B, H, H_kv, D, S_max)
     splits = _build.cdiv(S_max, split_keys) if split_keys is not None else num_splits or splits
-    if threads is not None and threads != auto_threads:
-        kern = _build.kernel(_SRC, _name(_build.ctype(q.dtype), kv_type, D, H // blocks, threads))
     threads = threads or auto_threads
+    if ahead != 1 and (threads != _THREADS or blocks != H):
+        raise ValueError(f"{ahead} trips ahead take one query head per block of {_THREADS} threads, not "
+                         f"{H // blocks} per block of {threads}")
+    if threads != auto_threads or ahead != 1:
+        kern = _build.kernel(_SRC, _name(_build.ctype(q.dtype), kv_type, D, H // blocks, threads, ahead))
     part_o = part_lse = counters = None
     if splits > 1:  # scratch; a recorded plan's arguments keep it alive
         part_o, part_lse = _partials(splits, B, H, D)

@@ -24,7 +24,7 @@ import numpy
 
 import cupy_kernels as K
 from cupy_kernels import _build
-from cupy_kernels.decode_attention import launch_config
+from cupy_kernels.decode_attention import AHEAD_DEEP, launch_config
 
 from .config import SIZES, GPT2Config
 
@@ -77,6 +77,16 @@ PLANS = 8
 # / 1703.3 / 1750.4 against 1557.7 / 1576.1 / 1687.2 / 1812.2.
 DECODE_SPLIT_KEYS = 512
 DECODE_WIDE_THREADS = 512  # the decode step's attention block for a float32 cache (_decode_attention_shape)
+# The decode step's attention requests AHEAD_DEEP loop trips ahead instead of one (the same
+# numbers) at batch 1 for models at least this wide. H100, float16, the step with PDL at 64 /
+# 264 / 520 / 900 cached keys, us, 4 ahead against 1 (benchmarks/results/attention_ahead-h100.log,
+# attention_depth_sizes-h100.log, two rounds of one run each): GPT-2 medium (1,024 wide) 509.6
+# / 548.7 / 594.5 / 622.0 against 513.4 / 565.5 / 615.7 / 654.3, large 982.6 / 1027.6 / 1092.8
+# / 1149.7 against 986.5 / 1059.5 / 1150.5 / 1231.9, XL 1552.8 / 1554.8 / 1605.9 / 1686.3
+# against 1564.3 / 1576.4 / 1688.1 / 1813.7; but GPT-2 small (768) 226.0 / 241.3 / 264.3 /
+# 282.4 against 220.6 / 231.5 / 257.0 / 288.9, small at batch 8 286.9 against 266.0 at 264
+# keys and XL at batch 8 1916.2 against 1794.1 at 64 (XL at batch 8 tied past 64 keys).
+DECODE_AHEAD_WIDTH = 1024
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -448,6 +458,10 @@ class GPT2:
         # step for GPT-2 small / XL at B = 1 with 64 cached keys against 225.7 / 1607.2,
         # benchmarks/results/qkv_attend-h100.log)
         split_keys, threads = self._decode_attention_shape(cache)
+        # trips the attention requests ahead: the same numbers, so chosen per model and batch
+        deep = (B == 1 and cfg.n_embd >= DECODE_AHEAD_WIDTH and threads == 128 and self.dtype != numpy.float32
+                and cache.k.dtype == self.dtype)
+        ahead = AHEAD_DEEP if deep else 1
         stats = buf.stats if self.folded else None  # [B, C / 16, 2]: of the residual stream buf.x
 
         def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm
@@ -473,7 +487,7 @@ class GPT2:
                                 **cache.layer(i))
                     appended = None
                 K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, split_keys=split_keys,
-                                   threads=threads, appended=appended, out=buf.att, **cache.layer(i))
+                                   threads=threads, appended=appended, ahead=ahead, out=buf.att, **cache.layer(i))
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x,
                          stats_out=stats)
                 K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f,

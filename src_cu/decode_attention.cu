@@ -36,14 +36,16 @@
 // FLOPs 4 len D per query head.
 //
 // Specializations: T in {float, __half, __nv_bfloat16} x KT in {T, signed char, __nv_fp8_e4m3}
-// x D in {64, 128} x QPB in {1, 2, 4}, THREADS 128; and THREADS 512 for KT = T.
+// x D in {64, 128} x QPB in {1, 2, 4}, THREADS 128; and THREADS 512 for KT = T; AHEAD (trips
+// requested ahead, attend) 1, and 4 for one query head per block of 128 threads on 16-bit
+// rows in q's dtype.
 // Wrapper: cupy_kernels/decode_attention.py   Tests: tests/test_decode_attention_gpu.py
 // Benchmark: benchmarks/decode_attention.py
 #include "decode_attention.cuh"
 
 using namespace g2c;
 
-template <typename T, typename KT, int D, int QPB, int THREADS>
+template <typename T, typename KT, int D, int QPB, int THREADS, int AHEAD>
 __global__ void __launch_bounds__(THREADS)
     decode_attention_kernel(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse,
                             unsigned* __restrict__ counters, const T* __restrict__ q, const KT* __restrict__ k_new,
@@ -54,10 +56,10 @@ __global__ void __launch_bounds__(THREADS)
                             float scale, int chunk_keys) {
     const int b = blockIdx.y, splits = gridDim.z;
     // (attend waits for the previous kernel once the first trip's rows are requested)
-    attend<T, KT, D, QPB, THREADS, 1, false, false, true>(out, part_o, part_lse, q, k_cache, v_cache, k_scale,
-                                                          v_scale, seq_lens, alibi, H, H_kv, S_max, q_sb, scale,
-                                                          blockIdx.x, b, blockIdx.z, splits, gridDim.y, chunk_keys,
-                                                          threadIdx.x, 0, k_new, v_new);
+    attend<T, KT, D, QPB, THREADS, 1, false, false, true, AHEAD>(out, part_o, part_lse, q, k_cache, v_cache,
+                                                                 k_scale, v_scale, seq_lens, alibi, H, H_kv, S_max,
+                                                                 q_sb, scale, blockIdx.x, b, blockIdx.z, splits,
+                                                                 gridDim.y, chunk_keys, threadIdx.x, 0, k_new, v_new);
     if (splits == 1 || counters == nullptr) return;
     constexpr int TILE = attention_tile<KT, D, THREADS>();
     const int len = seq_lens[b];

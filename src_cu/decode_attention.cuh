@@ -173,7 +173,7 @@ __device__ __forceinline__ int chunk_length(int len, int splits, int chunk_keys,
 // 243.2 / 268.7 / 317.7 / 364.3; GPT-2 XL B = 1 1607.3 / 1637.6 / 1766.1 / 1869.8 against
 // 1606.5 / 1624.7 / 1738.6 / 1859.5.
 template <typename T, typename KT, int D, int QPB, int THREADS, int PARTS = 1, bool Q_THROUGH_L2 = false,
-          bool PARTIALS = false, bool PRE_WAIT = false>
+          bool PARTIALS = false, bool PRE_WAIT = false, int AHEAD = 1>
 __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse,
                                        const T* __restrict__ q, const KT* __restrict__ k_cache,
                                        const KT* __restrict__ v_cache, const float* __restrict__ k_scale,
@@ -201,18 +201,23 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
     // 6.22, S=512 7.26 / 7.36 cold and 4.13 -> 3.96 in a replayed graph). float32 rows
     // keep it (their speed is not measured): without it ptxas spilled 12 bytes for sm_80
     // with 2 heads per block.
-    // More rows in flight for one query head per block of 128 threads on 16-bit rows (H100,
-    // the decode step with PDL at 64 / 264 / 520 / 900 cached keys, us; README, "The decode
-    // step"): 4 trips requested ahead in registers (same bits; attention_ahead-h100.log)
-    // took GPT-2 XL at B = 1 from 1564.3 / 1576.4 / 1688.1 / 1813.7 to 1552.8 / 1554.8 /
-    // 1605.9 / 1686.3 but GPT-2 small from 220.6 / 231.5 / 257.0 / 288.9 to 226.0 / 241.3 /
-    // 264.3 / 282.4, and UNROLL 8 (attention_unroll-h100.log) did much the same: small loses
-    // even at 64 keys, where 4 ahead has no more rows in flight and only its registers differ
-    // (218 against 118; 188 with UNROLL 8); GPT-2 medium and large at B = 1 won at every
-    // length, XL at B = 8 lost at 64 keys (attention_depth_sizes-h100.log). Trips in shared
-    // memory by cp.async (attention_ring-h100.log) lost everywhere: the kernel asks for a
-    // larger split of shared memory than the products.
+    // AHEAD > 1 (PIPELINE, PRE_WAIT, one part): AHEAD trips requested before the one in use
+    // instead of one (a set of row registers each; the same trips in the same order, so the
+    // same bits), so that a cache of up to AHEAD trips past the first waits for memory about
+    // once after the length arrives. Measured for one query head per block of 128 threads on
+    // 16-bit rows (H100, the decode step with PDL at 64 / 264 / 520 / 900 cached keys, us;
+    // README, "The decode step"): 4 ahead (218 registers against 118) took GPT-2 XL at B = 1
+    // from 1564.3 / 1576.4 / 1688.1 / 1813.7 to 1552.8 / 1554.8 / 1605.9 / 1686.3, medium and
+    // large won at every length too, but GPT-2 small went from 220.6 / 231.5 / 257.0 / 288.9
+    // to 226.0 / 241.3 / 264.3 / 282.4 (even at 64 keys, where it has no more rows in flight)
+    // and B = 8 lost on short caches (attention_ahead-h100.log, attention_depth_sizes-h100.log):
+    // the decode step picks it per model and batch (gpt2_cupy/model.py, DECODE_AHEAD_WIDTH).
+    // UNROLL 8 (other bits; attention_unroll-h100.log) did much the same. Trips in shared memory
+    // by cp.async (attention_ring-h100.log) lost everywhere: the kernel asks for a larger split
+    // of shared memory than the products.
     constexpr bool PIPELINE = QPB * VEC <= 8 && (THREADS == 128 || sizeof(KT) == 4);
+    static_assert(AHEAD == 1 || (PIPELINE && PRE_WAIT && PARTS == 1),
+                  "trips ahead beyond one: a pipelined PRE_WAIT kernel of one part");
     constexpr int UNROLL = 4;
     // Grouped heads read rows with the evict-first hint (ld.global.cs): measured on an H100
     // (fp16, 32 / 8 heads x hd128, 4 per block of 512 threads, cold L2) it cut B=1 S=32768
@@ -371,7 +376,26 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
     } else if (base < s_end) {
         cur.load(kc, vc, ks, vs, D, group, base, s_end);
     }
-    if constexpr (PIPELINE) {
+    if constexpr (AHEAD > 1) {
+        Rows ahead[AHEAD];  // trips base + TILE, base + 2 TILE, ...: ahead[i] holds every AHEAD-th
+#pragma unroll
+        for (int i = 0; i < AHEAD; ++i) {
+            if (base + (i + 1) * TILE < s_end) ahead[i].load(kc, vc, ks, vs, D, group, base + (i + 1) * TILE, s_end);
+        }
+        if (base < s_end) use_trip(cur, base);
+        base += TILE;
+        while (base < s_end) {
+#pragma unroll
+            for (int i = 0; i < AHEAD; ++i) {
+                if (base < s_end) {
+                    use_trip(ahead[i], base);
+                    const int next_base = base + AHEAD * TILE;  // the trip this set holds next
+                    if (next_base < s_end) ahead[i].load(kc, vc, ks, vs, D, group, next_base, s_end);
+                    base += TILE;
+                }
+            }
+        }
+    } else if constexpr (PIPELINE) {
         while (base < s_end) {
             if (base + TILE < s_end) next.load(kc, vc, ks, vs, D, group, base + TILE, s_end);
             use_trip(cur, base);

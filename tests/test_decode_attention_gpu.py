@@ -159,6 +159,33 @@ def test_decode_attention_appended(H, H_kv, D, dtype, split_keys, threads):
     check(out, ref.decode_attention(qkvh[:, :H], k_host, v_host, lens), dtype)
 
 
+@pytest.mark.parametrize("split_keys", [None, 40, 1000])
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)  # 16-bit
+@pytest.mark.parametrize("H,D", [(12, 64), (8, 128)])
+def test_decode_attention_trips_ahead(H, D, dtype, split_keys):
+    """AHEAD_DEEP loop trips requested ahead, the appended rows read beside q or not, give
+    the bits of one trip ahead, which match the reference."""
+    from cupy_kernels.decode_attention import AHEAD_DEEP
+
+    rng = np.random.default_rng(H * 10 + D + (split_keys or 0))
+    lens = [1, 7, 1000, 4097, 130, 64, 320, 321]
+    B, S = len(lens), max(lens) + 3
+    cache, k_host, v_host = build_cache(rng, B, H, S, D, lens, dtype, None)
+    qkv, qkvh = rand(rng, (B, 3 * H, D), dtype)
+    q, k_new, v_new = qkv[:, :H], qkv[:, H : 2 * H], qkv[:, 2 * H :]
+    for b, n in enumerate(lens):
+        k_new[b] = cache["k_cache"][b, :, n - 1]
+        v_new[b] = cache["v_cache"][b, :, n - 1]
+    args = dict(seq_lens=cp.asarray(np.array(lens, dtype=np.int32)), split_keys=split_keys, threads=128, **cache)
+    one = poisoned((B, H, D), dtype)
+    K.decode_attention(q, out=one, **args)
+    check(one, ref.decode_attention(qkvh[:, :H], k_host, v_host, lens), dtype)
+    for appended in (None, (k_new, v_new)):
+        out = poisoned((B, H, D), dtype)
+        K.decode_attention(q, ahead=AHEAD_DEEP, appended=appended, out=out, **args)
+        assert cp.array_equal(out.view(cp.uint8), one.view(cp.uint8)), appended is None
+
+
 @pytest.mark.parametrize("threads", [128, 512])
 @pytest.mark.parametrize("qpb", [1, 2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -294,6 +321,16 @@ def test_decode_attention_bad_inputs_raise():
                            v_scale=cp.ones((2, 4, 16), np.float32), appended=(rows[:, 8:12], rows[:, 12:]))
     with pytest.raises(TypeError, match="v_cache"):
         K.decode_attention(q, kc, kc.astype(np.float32), seq)
+    with pytest.raises(ValueError, match="ahead must be"):
+        K.decode_attention(q, kc, kc, seq, ahead=3)
+    with pytest.raises(ValueError, match="one query head per block of 128"):
+        K.decode_attention(q, kc, kc, seq, ahead=4, threads=512)
+    with pytest.raises(ValueError, match="float16 or bfloat16 cache"):
+        K.decode_attention(q, kq, kq, seq, ahead=4, k_scale=cp.ones((2, 4, 16), np.float32),
+                           v_scale=cp.ones((2, 4, 16), np.float32))
+    q32, k32 = cp.zeros((2, 8, 64), np.float32), cp.zeros((2, 8, 16, 64), np.float32)
+    with pytest.raises(ValueError, match="float16 or bfloat16 cache"):
+        K.decode_attention(q32, k32, k32, seq, ahead=4)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         K.kv_storage_dtype("int4", np.float16)
     with pytest.raises(ValueError, match="head_dim"):
