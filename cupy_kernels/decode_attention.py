@@ -68,7 +68,7 @@ _BLOCKS_PER_SM = 4
 _UNSPLIT_TRIPS = 4
 
 
-# Loop trips a block requests ahead of the one it uses: 1, or AHEAD_DEEP for one query head
+# Sets of loop trips a block keeps in flight ahead (attend's AHEAD): 1, or AHEAD_DEEP for one query head
 # per block of 128 threads on 16-bit rows in q's dtype (the same bits; decode_attention.cuh,
 # attend's AHEAD, has the measurements; the decode step picks it per model and batch).
 AHEAD_DEEP = 4
@@ -219,9 +219,9 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     qkv buffer qualify), caches in q's dtype only: the row each sequence's cache holds at len
     - 1, as the kernel ahead wrote it; read then with q and the lengths instead of from the
     cache once the lengths are known (the same numbers, one memory round trip less).
-    ahead: loop trips a block requests before the one it uses, 1 or AHEAD_DEEP (4: float16
-    or bfloat16 caches in q's dtype, one query head per block of 128 threads); the same
-    numbers either way.
+    ahead: sets of loop trips a block keeps in flight ahead, 1 or AHEAD_DEEP (4: the 4 trips
+    past the first requested at once, each set refilled once used; float16 or bfloat16
+    caches in q's dtype, one query head per block of 128 threads); the same numbers either way.
     Returns [B, H, D] in q's dtype.
     """
     q = _checks.float_array(q, "q", ndim=3, contiguous=False)

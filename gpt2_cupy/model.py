@@ -77,9 +77,10 @@ PLANS = 8
 # / 1703.3 / 1750.4 against 1557.7 / 1576.1 / 1687.2 / 1812.2.
 DECODE_SPLIT_KEYS = 512
 DECODE_WIDE_THREADS = 512  # the decode step's attention block for a float32 cache (_decode_attention_shape)
-# The decode step's attention requests AHEAD_DEEP loop trips ahead instead of one (the same
-# numbers) at batch 1 for models at least this wide. H100, float16, the step with PDL at 64 /
-# 264 / 520 / 900 cached keys, us, 4 ahead against 1 (benchmarks/results/attention_ahead-h100.log,
+# The decode step's attention keeps AHEAD_DEEP sets of loop trips in flight ahead instead of
+# one (decode_attention.cuh, attend's AHEAD; the same numbers) at batch 1 for models at least
+# this wide. H100, float16, the step with PDL at 64 / 264 / 520 / 900 cached keys, us, 4 ahead
+# against 1 (benchmarks/results/attention_ahead-h100.log,
 # attention_depth_sizes-h100.log, two rounds of one run each): GPT-2 medium (1,024 wide) 509.6
 # / 548.7 / 594.5 / 622.0 against 513.4 / 565.5 / 615.7 / 654.3, large 982.6 / 1027.6 / 1092.8
 # / 1149.7 against 986.5 / 1059.5 / 1150.5 / 1231.9, XL 1552.8 / 1554.8 / 1605.9 / 1686.3

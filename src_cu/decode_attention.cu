@@ -36,8 +36,8 @@
 // FLOPs 4 len D per query head.
 //
 // Specializations: T in {float, __half, __nv_bfloat16} x KT in {T, signed char, __nv_fp8_e4m3}
-// x D in {64, 128} x QPB in {1, 2, 4}, THREADS 128; and THREADS 512 for KT = T; AHEAD (trips
-// requested ahead, attend) 1, and 4 for one query head per block of 128 threads on 16-bit
+// x D in {64, 128} x QPB in {1, 2, 4}, THREADS 128; and THREADS 512 for KT = T; AHEAD (sets of
+// trips in flight ahead, attend) 1, and 4 for one query head per block of 128 threads on 16-bit
 // rows in q's dtype.
 // Wrapper: cupy_kernels/decode_attention.py   Tests: tests/test_decode_attention_gpu.py
 // Benchmark: benchmarks/decode_attention.py

@@ -201,11 +201,13 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
     // 6.22, S=512 7.26 / 7.36 cold and 4.13 -> 3.96 in a replayed graph). float32 rows
     // keep it (their speed is not measured): without it ptxas spilled 12 bytes for sm_80
     // with 2 heads per block.
-    // AHEAD > 1 (PIPELINE, PRE_WAIT, one part): AHEAD trips requested before the one in use
-    // instead of one (a set of row registers each; the same trips in the same order, so the
-    // same bits), so that a cache of up to AHEAD trips past the first waits for memory about
-    // once after the length arrives. Measured for one query head per block of 128 threads on
-    // 16-bit rows (H100, the decode step with PDL at 64 / 264 / 520 / 900 cached keys, us;
+    // AHEAD > 1 (PIPELINE, PRE_WAIT, one part): AHEAD sets of row registers besides the first
+    // trip's, instead of one. The AHEAD trips past the first are requested at once, and each set
+    // is refilled with the trip AHEAD further on once it has been used (AHEAD - 1 trips in flight
+    // while one is used; with one set, the next trip is requested before the current is used).
+    // The same trips in the same order, so the same bits; a cache of up to AHEAD trips past the
+    // first waits for memory about once after the length arrives. Measured for one query head
+    // per block of 128 threads on 16-bit rows (H100, the decode step with PDL at 64 / 264 / 520 / 900 cached keys, us;
     // README, "The decode step"): 4 ahead (218 registers against 118) took GPT-2 XL at B = 1
     // from 1564.3 / 1576.4 / 1688.1 / 1813.7 to 1552.8 / 1554.8 / 1605.9 / 1686.3, medium and
     // large won at every length too, but GPT-2 small went from 220.6 / 231.5 / 257.0 / 288.9
