@@ -172,6 +172,11 @@ __device__ __forceinline__ int chunk_length(int len, int splits, int chunk_keys,
 // 296.2 against 225.3 / 234.8 / 260.8 / 294.6, B = 8 243.6 / 272.7 / 318.5 / 366.2 against
 // 243.2 / 268.7 / 317.7 / 364.3; GPT-2 XL B = 1 1607.3 / 1637.6 / 1766.1 / 1869.8 against
 // 1606.5 / 1624.7 / 1738.6 / 1859.5.
+// Every chunk's rows requested before the wait, the length taken from the positions (which only
+// the step's last kernel advances) instead of seq_lens, did not pay (same bits; branch
+// attention-known-lengths, benchmarks/results/attention_known_lengths-h100.log, us a step at 264
+// cached keys): GPT-2 small B = 1 239.3 / 240.8 against 233.6 / 231.8, XL 1559.1 / 1562.2
+// against 1551.4 / 1556.5; B = 8 won 1-2% past 520 keys only.
 template <typename T, typename KT, int D, int QPB, int THREADS, int PARTS = 1, bool Q_THROUGH_L2 = false,
           bool PARTIALS = false, bool PRE_WAIT = false, int AHEAD = 1>
 __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse,
