@@ -78,8 +78,8 @@ PLANS = 8
 DECODE_SPLIT_KEYS = 512
 DECODE_WIDE_THREADS = 512  # the decode step's attention block for a float32 cache (_decode_attention_shape)
 # The decode step's attention keeps AHEAD_DEEP sets of loop trips in flight ahead instead of
-# one (decode_attention.cuh, attend's AHEAD; the same numbers) at batch 1 for models at least
-# this wide. H100, float16, the step with PDL at 64 / 264 / 520 / 900 cached keys, us, 4 ahead
+# one (decode_attention.cuh, attend's AHEAD; the same numbers) at batches of up to
+# DECODE_AHEAD_BATCH for models at least this wide. H100, float16, the step with PDL at 64 / 264 / 520 / 900 cached keys, us, 4 ahead
 # against 1 (benchmarks/results/attention_ahead-h100.log,
 # attention_depth_sizes-h100.log, two rounds of one run each): GPT-2 medium (1,024 wide) 509.6
 # / 548.7 / 594.5 / 622.0 against 513.4 / 565.5 / 615.7 / 654.3, large 982.6 / 1027.6 / 1092.8
@@ -88,6 +88,15 @@ DECODE_WIDE_THREADS = 512  # the decode step's attention block for a float32 cac
 # 282.4 against 220.6 / 231.5 / 257.0 / 288.9, small at batch 8 286.9 against 266.0 at 264
 # keys and XL at batch 8 1916.2 against 1794.1 at 64 (XL at batch 8 tied past 64 keys).
 DECODE_AHEAD_WIDTH = 1024
+# Batches of 2 to 4 win too (benchmarks/results/attention_ahead_batch-h100.log, the same
+# measure, one run, the first round's figures, us): B = 2 medium 522.9 / 559.2 / 610.3 / 648.0
+# against 525.4 / 576.9 / 631.1 / 674.7, large 980.7 / 1004.9 / 1062.4 / 1139.1 against 986.4 /
+# 1062.4 / 1144.2 / 1246.5, XL 1596.7 / 1608.4 / 1693.3 / 1809.6 against 1609.9 / 1655.6 /
+# 1779.9 / 1923.8; B = 4 medium 529.5 / 567.9 / 646.3 / 703.3 against 529.9 / 573.2 / 646.9 /
+# 720.6, XL 1674.8 / 1714.6 / 1898.2 / 2068.9 against 1682.9 / 1752.0 / 1926.7 / 2137.0 (and at
+# B = 1 in bfloat16: large 987.3 / 1020.9 / 1088.4 / 1152.2 against 1003.9 / 1082.6 / 1166.8 /
+# 1258.7, XL 1601.5 / 1597.3 / 1674.9 / 1771.6 against 1611.6 / 1692.3 / 1792.5 / 1892.7).
+DECODE_AHEAD_BATCH = 4
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -460,7 +469,7 @@ class GPT2:
         # benchmarks/results/qkv_attend-h100.log)
         split_keys, threads = self._decode_attention_shape(cache)
         # trips the attention requests ahead: the same numbers, so chosen per model and batch
-        deep = (B == 1 and cfg.n_embd >= DECODE_AHEAD_WIDTH and threads == 128 and self.dtype != numpy.float32
+        deep = (B <= DECODE_AHEAD_BATCH and cfg.n_embd >= DECODE_AHEAD_WIDTH and threads == 128 and self.dtype != numpy.float32
                 and cache.k.dtype == self.dtype)
         ahead = AHEAD_DEEP if deep else 1
         stats = buf.stats if self.folded else None  # [B, C / 16, 2]: of the residual stream buf.x

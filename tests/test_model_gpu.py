@@ -110,10 +110,10 @@ def test_batch_equals_one_by_one_on_tensor_cores(small, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_attention_trips_ahead_at_batch_1_keep_the_tokens(small, dtype, monkeypatch):
-    """The decode step's attention with AHEAD_DEEP trips ahead (chosen at batch 1 for wide
-    models; here for GPT-2 small) gives each sequence the tokens it gets in a batch, where it
-    runs one trip ahead."""
+def test_attention_trips_ahead_keep_the_tokens(small, dtype, monkeypatch):
+    """The decode step's attention with AHEAD_DEEP trips ahead (chosen for batches of up to
+    DECODE_AHEAD_BATCH of wide models; here for GPT-2 small) gives each sequence, alone and
+    in pairs, the tokens it gets in a batch of four run one trip ahead."""
     import cupy_kernels as K
     import gpt2_cupy.model as M
     from cupy_kernels.decode_attention import AHEAD_DEEP
@@ -122,7 +122,7 @@ def test_attention_trips_ahead_at_batch_1_keep_the_tokens(small, dtype, monkeypa
     model = GPT2.from_hf(hf, dtype)
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 50257, int(n)).tolist() for n in (1, 70, 200, 3)]
-    batch = model.generate(prompts, 80)  # up to 280 cached keys: 5 loop trips of 64
+    batch = model.generate(prompts, 80)  # up to 280 cached keys: 5 loop trips of 64, one ahead
     monkeypatch.setattr(M, "DECODE_AHEAD_WIDTH", 0)
     seen, real = set(), K.decode_attention
 
@@ -132,8 +132,10 @@ def test_attention_trips_ahead_at_batch_1_keep_the_tokens(small, dtype, monkeypa
 
     monkeypatch.setattr(K, "decode_attention", spy)
     alone = [model.generate(p, 80) for p in prompts]
+    pairs = model.generate(prompts[:2], 80) + model.generate(prompts[2:], 80)
     assert seen == {AHEAD_DEEP}
     assert alone == batch
+    assert pairs == batch
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
