@@ -451,7 +451,12 @@ def _mma_ahead(B: int, N: int, K: int, nt: int, u: int, kw: int, xin: int, mt: i
     1868.2 for XL; with the same split of L1 and shared memory asked for every kernel of the
     step (the most shared memory) 270.5 against 266.4 and 2273.1 against 2266.7: a kernel that
     needs a larger shared-memory split than the kernels around it makes the SMs drain between
-    them. benchmarks/results/decode_step_staged-h100.json, decode_step_carveout-h100.json.)"""
+    them. benchmarks/results/decode_step_staged-h100.json, decode_step_carveout-h100.json. The
+    MLP down of 16 warps streamed through a ring of shared-memory stages by a producer warp
+    (cp.async.bulk, 52 registers a thread, the same bits; branch mlp-down-ring) lost the same way:
+    XL at B = 1 2197.1 against 1576.7 us a step at 264 cached keys with 3 stages, 1667.8 against
+    1621.4 with every kernel asking for half of the most shared memory;
+    benchmarks/results/mlp_down_ring-h100.log.)"""
     able = (xin == X_PLAIN and nt == 1 and mt == 1 and own_out and epi in ("store", "gelu", "residual")
             and kw <= MMA_NARROW_WARPS)
     if ahead is not None:
