@@ -79,14 +79,15 @@ DECODE_SPLIT_KEYS = 512
 DECODE_WIDE_THREADS = 512  # the decode step's attention block for a float32 cache (_decode_attention_shape)
 # The decode step's attention keeps AHEAD_DEEP sets of loop trips in flight ahead instead of
 # one (decode_attention.cuh, attend's AHEAD; the same numbers) at batches of up to
-# DECODE_AHEAD_BATCH for models at least this wide. H100, float16, the step with PDL at 64 / 264 / 520 / 900 cached keys, us, 4 ahead
-# against 1 (benchmarks/results/attention_ahead-h100.log,
-# attention_depth_sizes-h100.log, two rounds of one run each): GPT-2 medium (1,024 wide) 509.6
-# / 548.7 / 594.5 / 622.0 against 513.4 / 565.5 / 615.7 / 654.3, large 982.6 / 1027.6 / 1092.8
-# / 1149.7 against 986.5 / 1059.5 / 1150.5 / 1231.9, XL 1552.8 / 1554.8 / 1605.9 / 1686.3
-# against 1564.3 / 1576.4 / 1688.1 / 1813.7; but GPT-2 small (768) 226.0 / 241.3 / 264.3 /
-# 282.4 against 220.6 / 231.5 / 257.0 / 288.9, small at batch 8 286.9 against 266.0 at 264
-# keys and XL at batch 8 1916.2 against 1794.1 at 64 (XL at batch 8 tied past 64 keys).
+# DECODE_AHEAD_BATCH for models at least this wide. H100, float16, the step with PDL at 64 /
+# 264 / 520 / 900 cached keys, us, 4 ahead against 1 at batch 1 (benchmarks/results/
+# attention_ahead-h100.log, attention_depth_sizes-h100.log, two rounds of one run each):
+# GPT-2 medium (1,024 wide) 509.6 / 548.7 / 594.5 / 622.0 against 513.4 / 565.5 / 615.7 /
+# 654.3, large 982.6 / 1027.6 / 1092.8 / 1149.7 against 986.5 / 1059.5 / 1150.5 / 1231.9, XL
+# 1552.8 / 1554.8 / 1605.9 / 1686.3 against 1564.3 / 1576.4 / 1688.1 / 1813.7; but GPT-2 small
+# (768) 226.0 / 241.3 / 264.3 / 282.4 against 220.6 / 231.5 / 257.0 / 288.9, small at batch 8
+# 286.9 against 266.0 at 264 keys and XL at batch 8 1916.2 against 1794.1 at 64 (XL at batch 8
+# tied past 64 keys).
 DECODE_AHEAD_WIDTH = 1024
 # Batches of 2 to 4 win too (benchmarks/results/attention_ahead_batch-h100.log, the same
 # measure, one run, the first round's figures, us): B = 2 medium 522.9 / 559.2 / 610.3 / 648.0
@@ -469,8 +470,8 @@ class GPT2:
         # benchmarks/results/qkv_attend-h100.log)
         split_keys, threads = self._decode_attention_shape(cache)
         # trips the attention requests ahead: the same numbers, so chosen per model and batch
-        deep = (B <= DECODE_AHEAD_BATCH and cfg.n_embd >= DECODE_AHEAD_WIDTH and threads == 128 and self.dtype != numpy.float32
-                and cache.k.dtype == self.dtype)
+        deep = (B <= DECODE_AHEAD_BATCH and cfg.n_embd >= DECODE_AHEAD_WIDTH and threads == 128
+                and self.dtype != numpy.float32 and cache.k.dtype == self.dtype)
         ahead = AHEAD_DEEP if deep else 1
         stats = buf.stats if self.folded else None  # [B, C / 16, 2]: of the residual stream buf.x
 
