@@ -456,7 +456,12 @@ def _mma_ahead(B: int, N: int, K: int, nt: int, u: int, kw: int, xin: int, mt: i
     (cp.async.bulk, 52 registers a thread, the same bits; branch mlp-down-ring) lost the same way:
     XL at B = 1 2197.1 against 1576.7 us a step at 264 cached keys with 3 stages, 1667.8 against
     1621.4 with every kernel asking for half of the most shared memory;
-    benchmarks/results/mlp_down_ring-h100.log.)"""
+    benchmarks/results/mlp_down_ring-h100.log. Only the chunks past each warp's first batch
+    requested into shared memory before the wait (cp.async, 80 KB a block), in the 16-warp
+    blocks that take whole SMs anyway (branch mlp-down-staged, the same bits), lost as well: XL
+    at B = 1 1610.0 / 1622.0 against 1581.1 / 1580.1 us a step at 64 / 264 cached keys, and
+    1600.3 / 1613.1 against 1576.5 / 1595.5 with every kernel asking for 40% of the most shared
+    memory; benchmarks/results/mlp_down_staged-h100.log.)"""
     able = (xin == X_PLAIN and nt == 1 and mt == 1 and own_out and epi in ("store", "gelu", "residual")
             and kw <= MMA_NARROW_WARPS)
     if ahead is not None:
