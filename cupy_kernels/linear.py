@@ -192,9 +192,11 @@ def _tile(N: int, K: int, itemsize: int, ln: bool = False) -> tuple[tuple[int, i
 
 def _mma_warps(K: int) -> int:
     """Warps per block on tensor cores, each taking every KW-th chunk of 32 columns: about
-    MMA_CHUNKS_PER_WARP chunks a warp, at most MMA_NARROW_WARPS warps, or MMA_MAX_WARPS where
-    8 warps would each take two batches of loads or more at U = 8 (K > 3840: the MLP down of
-    GPT-2 medium, large and XL). A function of K alone: it fixes the summation order.
+    MMA_CHUNKS_PER_WARP chunks a warp, at most MMA_NARROW_WARPS warps; where 8 warps would
+    each take more than one batch of loads at U = 8 (K > 2048), the fewest warps that take one
+    batch each, at most MMA_MAX_WARPS (GPT-2 small's MLP down, K = 3072: 12 warps of 8 chunks;
+    medium's 16 of 8; large's and XL's 16 of 10 and 12-13). A function of K alone: it fixes
+    the summation order.
     Measured on the H100 at B = 1 (decode_step.py, graph + PDL, us with 4 / 8 warps): GPT-2
     small qkv 2.26 / 2.49, attn_proj 1.62 / 1.82, fc 2.49 / 2.86 (K = 768); GPT-2 XL (K =
     1600, 8 warps) qkv 9.16 / 7.48, attn_proj 4.28 / 2.76. The MLP down alone (us with 8 / 16
@@ -221,12 +223,19 @@ def _mma_warps(K: int) -> int:
     benchmarks/results/mlp_down_16_warps_small-h100.log, us at 64 / 264 / 520 / 900 cached
     keys): at U = 6 (one batch, 100 registers) B = 1 224.8 / 243.3 / 266.0 / 292.6 against
     221.5 / 232.5 / 258.3 / 292.6, but B = 8 235.3 / 259.0 / 304.0 / 352.1 against 243.6 /
-    266.4 / 319.1 / 366.6; U = 8 and U = 4 lost at B = 1 as well. The warps must be one number
-    for every batch (they fix the bits): 8 stay, for batch 1."""
+    266.4 / 319.1 / 366.6; U = 8 and U = 4 lost at B = 1 as well. In 12 warps of one batch of 8
+    chunks each (48K registers a block: room for a 16K-register block of the kernel before it;
+    H100, two rounds of one run, benchmarks/results/mlp_down_12_warps_small-h100.log, us at 64 /
+    264 / 520 / 900 cached keys, against 8 warps): B = 1 205.6 / 223.5 / 242.2 / 268.9 against
+    221.4 / 232.9 / 258.0 / 286.6 (bfloat16 204.3 / 221.8 / 237.9 / 264.7 against 222.6 /
+    234.3 / 259.1 / 293.6), B = 2 202.8 / 221.2 against 221.7 / 234.8 at 64 / 264, B = 8 225.0 /
+    250.8 / 293.0 / 340.7 against 241.7 / 265.4 / 315.1 / 360.8, B = 16 and 32 2-5% faster, B =
+    64 within 0.5% (487.7-493.6 against 485.0-491.4 at 64 keys); 6 warps (two batches of 8)
+    lost: 239.9 / 251.7 at B = 1. Small takes 12."""
     chunks = _build.cdiv(K, 32)
     kw = min(MMA_NARROW_WARPS, _build.cdiv(chunks, MMA_CHUNKS_PER_WARP))
-    if _build.cdiv(chunks, kw) >= 2 * _MMA_BATCH[1][-1]:
-        kw = MMA_MAX_WARPS
+    if _build.cdiv(chunks, kw) > _MMA_BATCH[1][-1]:  # more than a batch a warp
+        kw = min(MMA_MAX_WARPS, _build.cdiv(chunks, _MMA_BATCH[1][-1]))
     return max(1, kw)
 
 
@@ -261,7 +270,7 @@ def _mma_batch(nt: int, long_rows: bool, one_wave: bool) -> int:
     row and the blocks fit in one wave at 16 warps an SM (U = 8 holds 128 registers; blocks of
     fewer than 8 warps are counted as 8), else 4.
     Measured on the H100 at B = 1 (decode_step.py, graph + PDL): GPT-2 small's mlp_proj
-    (12 chunks a warp) 4.1 us with 8, 5.2 with 4; the LM head (3142 blocks) 31.4 with 8,
+    (12 chunks a warp at 8 warps, as it then ran) 4.1 us with 8, 5.2 with 4; the LM head (3142 blocks) 31.4 with 8,
     29.0 with 4."""
     return 8 if nt == 1 and long_rows and one_wave else _MMA_BATCH[nt][0]
 
@@ -440,8 +449,9 @@ def _mma_ahead(B: int, N: int, K: int, nt: int, u: int, kw: int, xin: int, mt: i
     GPT-2 XL's MLP down (25 chunks a warp at U = 8) 12.00 / 11.76, GPT-2 small's (12 chunks)
     4.23 / 3.98; in the decode step, XL at B = 1 1934 / 1917 and 1909 / 1897, at B = 8 2348 /
     2190 and 2341 / 2246, but GPT-2 small at B = 1 249 / 258 and 247 / 256 (small's MLP down
-    has one and a half batches a warp: not taken). Blocks of at most MMA_NARROW_WARPS warps:
-    the MLP down of GPT-2 medium to XL now takes 16 warps a row (_mma_warps) and runs without.
+    had one and a half batches a warp at 8 warps: not taken). Blocks of at most
+    MMA_NARROW_WARPS warps: the MLP down of GPT-2 small (12 warps) and of medium to XL (16) now
+    take more warps a row (_mma_warps) and run without.
     (Spreading a tile's warps over the blocks of a thread block cluster instead, meeting in
     distributed shared memory with the same bits, lost: GPT-2 small's attention projection 2.27 / 2.31 us with 2 / 4 blocks against 1.61, XL's
     MLP down 12.56 / 11.97 against 11.97; the step at B = 1 252-255 against 247-249 us. Every

@@ -25,7 +25,7 @@
 // bulk copy per row (cp.async.bulk), before sm_90 16-byte cp.async pieces. Weights are never
 // written, so it runs ahead across the grid barriers while the consumers wait, compute
 // attention or run epilogues. A product's tiles of 16 rows of W go to groups of KW warps (8 /
-// KW groups a block; at KW = 16 one group, each warp taking the chunks of two), dealt
+// KW groups a block; above 8 one group, each warp taking the chunks of one or two), dealt
 // round-robin over the blocks, each product continuing where the one before stopped; x is
 // staged in shared memory once a phase (with the LayerNorm statistics in the same round trip)
 // and the epilogue's constants are requested before the barrier.
@@ -266,12 +266,13 @@ __device__ __forceinline__ void product_phase(const Product<T>& p, const Epilogu
                                               float& best, int& best_n, Trace& tr, Prologue prologue) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const Stream s(p.N, p.K, p.KW, p.start);
-    // KW = 16 (linear.py's _mma_warps for K > 3840): each of the 8 warps does the work of
-    // linear.cu's warps kw and kw + 8, in two sets of accumulators
+    // KW > 8 (linear.py's _mma_warps for K > 2048: 12 or 16): each of the 8 warps does the
+    // work of linear.cu's warp kw and, where KW has it, kw + 8, in two sets of accumulators
     const int wpg = min(p.KW, STEP_WARPS);  // warps of a group
     const int grp = warp / wpg, kw = warp % wpg;
     const bool in_group = grp < s.groups;
     const bool epi_lane = in_group && kw == 0 && lane < 16;  // output row m0 + lane of the group's tile
+    const bool second = kw + wpg < p.KW;  // this warp also does linear.cu's warp kw + 8
     float eu = 0.0f, ec = 0.0f;  // the epilogue's constants of that row
     auto constants = [&](int r) {
         const int n = 16 * s.tile(r, grp) + lane;
@@ -336,7 +337,7 @@ __device__ __forceinline__ void product_phase(const Product<T>& p, const Epilogu
                 for (int c = kw; c < s.sc; c += p.KW) {
                     if (sl * s.sc + c >= s.n_chunks) break;
                     chunk_mma(acc, c);
-                    if (p.KW > wpg && sl * s.sc + c + wpg < s.n_chunks) chunk_mma(acc2, c + wpg);
+                    if (second && sl * s.sc + c + wpg < s.n_chunks) chunk_mma(acc2, c + wpg);
                 }
             }
             mbar_arrive(&sh.empty[slot]);  // this thread is done with the slot
@@ -344,7 +345,7 @@ __device__ __forceinline__ void product_phase(const Product<T>& p, const Epilogu
         if (active && t == 0) {
             sh.red[grp * p.KW + kw][g] = acc[0];
             sh.red[grp * p.KW + kw][g + 8] = acc[2];
-            if (p.KW > wpg) {
+            if (second) {
                 sh.red[kw + wpg][g] = acc2[0];
                 sh.red[kw + wpg][g + 8] = acc2[2];
             }

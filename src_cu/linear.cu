@@ -482,7 +482,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 1)  // (without the 1, ptxas c
 // batch, from L2, spilled.)
 // =======================================================================================
 namespace {
-constexpr int MMA_MAX_WARPS = 16;  // rows that would give 8 warps two batches of W or more (linear.py's _mma_warps)
+constexpr int MMA_MAX_WARPS = 16;  // rows that would give 8 warps more than a batch of W each (linear.py's _mma_warps)
 constexpr int MMA_NARROW_WARPS = 8;  // blocks that hold more than 128 registers a thread: two m-tiles, W ahead
 constexpr int RED_STRIDE = 20;  // floats a column of a warp's partial tile takes in shared memory
                                 // (16 rows + 4: a fragment's 32 stores hit 32 distinct banks)
