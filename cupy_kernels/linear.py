@@ -270,8 +270,8 @@ def _mma_batch(nt: int, long_rows: bool, one_wave: bool) -> int:
     row and the blocks fit in one wave at 16 warps an SM (U = 8 holds 128 registers; blocks of
     fewer than 8 warps are counted as 8), else 4.
     Measured on the H100 at B = 1 (decode_step.py, graph + PDL): GPT-2 small's mlp_proj
-    (12 chunks a warp at 8 warps, as it then ran) 4.1 us with 8, 5.2 with 4; the LM head (3142 blocks) 31.4 with 8,
-    29.0 with 4."""
+    (12 chunks a warp at 8 warps, as it then ran) 4.1 us with 8, 5.2 with 4; the LM head
+    (3142 blocks) 31.4 with 8, 29.0 with 4."""
     return 8 if nt == 1 and long_rows and one_wave else _MMA_BATCH[nt][0]
 
 
