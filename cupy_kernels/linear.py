@@ -231,7 +231,10 @@ def _mma_warps(K: int) -> int:
     234.3 / 259.1 / 293.6), B = 2 202.8 / 221.2 against 221.7 / 234.8 at 64 / 264, B = 8 225.0 /
     250.8 / 293.0 / 340.7 against 241.7 / 265.4 / 315.1 / 360.8, B = 16 and 32 2-5% faster, B =
     64 within 0.5% (487.7-493.6 against 485.0-491.4 at 64 keys); 6 warps (two batches of 8)
-    lost: 239.9 / 251.7 at B = 1. Small takes 12."""
+    lost: 239.9 / 251.7 at B = 1. Small takes 12. GPT-2 XL's rows of 1,600 values (q|k|v, attention
+    projection, MLP up, LM head) in 10 / 13 / 16 warps instead of 8 lost 7-10% (same run of each,
+    benchmarks/results/kw_1600_xl-h100.log): B = 1 1693.8-1737.6 against 1581.4-1584.4 us at 64
+    cached keys, B = 8 2087.9-2112.6 against 1947.5-1958.3 at 264."""
     chunks = _build.cdiv(K, 32)
     kw = min(MMA_NARROW_WARPS, _build.cdiv(chunks, MMA_CHUNKS_PER_WARP))
     if _build.cdiv(chunks, kw) > _MMA_BATCH[1][-1]:  # more than a batch a warp
