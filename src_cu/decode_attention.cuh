@@ -283,7 +283,7 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
         // against 267.1 at 264; XL B = 1 1553.6 / 1615.0 / 1722.2 / 1805.0 against 1565.2 /
         // 1579.1 / 1689.5 / 1816.1). Letting it go once the second trip's rows are requested, on
         // caches of more than two trips (the length from the positions, read before the wait),
-        // sped up replayed steps of GPT-2 small at B = 1 by 3.4% at 264 and 520 cached keys but
+        // sped up replayed steps of GPT-2 small at B = 1 by 3.3-3.5% at 264 and 520 cached keys but
         // not a 512-token call (branch attention-late-trigger; README, "The decode step").
         griddep_launch_dependents();
         if (fresh) {
