@@ -64,6 +64,10 @@ def main():
                 for keys in (None, 40):
                     K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32), split_keys=keys,
                                        threads=128, appended=(qkv[:, 0, 1], qkv[:, 0, 2]), ahead=AHEAD_DEEP)
+            # L2 warm-up blocks beside the attention: one chunk and chunks of 40 (the last merges)
+            for keys in (None, 40):
+                K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32), split_keys=keys,
+                                   warm=r(333, 8, dtype=np.float16), warm_blocks=7)
             for kv in ("int8", "fp8"):  # quantized caches, GQA (4 query heads per KV head), ALiBi, splits
                 storage = K.kv_storage_dtype(kv, dtype)
                 kq, vq = cp.empty((2, 2, T + 5, D), storage), cp.empty((2, 2, T + 5, D), storage)

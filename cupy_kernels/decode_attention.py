@@ -53,6 +53,15 @@ _QPB = (4, 2, 1)  # query heads per block that share one K/V row
 # B=2 S=4096 26.0 / 24.9; B=1 S=1024 10.5 / 12.4.
 _SHARED_ROWS = 8192
 _MAX_SPLITS = 128
+# Blocks of an L2 warm-up (warm=): 128 of 128 threads with 8 16-byte words in flight a thread
+# hold 2 MiB in flight in all. H100, the decode step of GPT-2 large and XL float16 at batch 1
+# with PDL, the MLP up's weight past its first batch warmed (512 replays from 8 cached keys, us
+# a step; an earlier form of the kernel, branch l2-warm): 64 / 128 blocks, large 1057.3 / 959.0
+# against 1010.4 unwarmed, XL 1926.1 / 1695.2 against 1597.2 (benchmarks/results/
+# l2_warm_blocks-h100.log); in another run 128 / 256, large 959.8 / 1037.5 against 1010.9, XL
+# 1695.0 / 1747.1 against 1596.1 (l2_warm_mlp_up-h100.log).
+WARM_BLOCKS = 128
+_MAX_WARM_BLOCKS = 1024
 # Blocks of 128 threads per SM the split aims for. Measured on an H100 (fp16, hd128, 128
 # threads, one query head per block, up to 9 resident): at B=1, 32 heads, S=32768, 16
 # splits (3.9 blocks / SM) took 193.6 us, 32 splits 192.3 us, 38 splits (one full wave + a
@@ -190,7 +199,7 @@ def _or_null(*arrays):
 def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=None, alibi_slopes=None,
                      scale: float | None = None, num_splits: int | None = None, split_keys: int | None = None,
                      threads: int | None = None, merge: str = "last-block", appended=None, ahead: int = 1,
-                     out=None) -> cupy.ndarray:
+                     warm=None, warm_blocks: int = WARM_BLOCKS, out=None) -> cupy.ndarray:
     """``softmax(q . K[:len] * scale + alibi) V[:len]`` for each sequence and query head.
 
     q: [B, H, D], contiguous over (H, D) (a row of the fused qkv buffer qualifies; the batch
@@ -222,6 +231,10 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     ahead: sets of loop trips a block keeps in flight ahead, 1 or AHEAD_DEEP (4: the 4 trips
     past the first requested at once, each set refilled once used; float16 or bfloat16
     caches in q's dtype, one query head per block of 128 threads); the same numbers either way.
+    warm: None, or a contiguous array of a multiple of 16 bytes from a 16-byte boundary (a
+    weight a later kernel reads): ``warm_blocks`` extra blocks read its bytes into L2 once the
+    kernel ahead has finished (a bounded number of bytes in flight: 8 16-byte words a thread),
+    and the kernel ends once they are done; it changes no number.
     Returns [B, H, D] in q's dtype.
     """
     q = _checks.float_array(q, "q", ndim=3, contiguous=False)
@@ -288,6 +301,15 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
             if a.strides != (q.strides[0], D * item, item) or a.data.ptr % 16:
                 raise ValueError(f"{n} must have q's batch stride and be contiguous over (KV heads, head_dim) from a "
                                  f"16-byte boundary, got strides {a.strides}")
+    if warm is not None:
+        warm = _checks.as_array(warm, "warm")
+        if not warm.flags.c_contiguous or warm.data.ptr % 16 or warm.nbytes % 16:
+            raise ValueError(f"warm must be a contiguous array of a multiple of 16 bytes from a 16-byte boundary, "
+                             f"got {warm.nbytes} bytes at address {warm.data.ptr:#x} (contiguous: "
+                             f"{warm.flags.c_contiguous})")
+    if (not isinstance(warm_blocks, (int, numpy.integer)) or isinstance(warm_blocks, bool)
+            or not 1 <= warm_blocks <= _MAX_WARM_BLOCKS):
+        raise ValueError(f"warm_blocks must be an integer in [1, {_MAX_WARM_BLOCKS}], got {warm_blocks!r}")
     out = _checks.output(out, "out", (B, H, D), q.dtype)
     if B == 0 or H == 0:
         return out
@@ -305,11 +327,14 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
         part_o, part_lse = _partials(splits, B, H, D)
         if merge == "last-block":
             counters = _counters(B * blocks)
-    kern((blocks, B, splits), (threads,),
+    warm_words = 0 if warm is None else warm.nbytes // 16
+    extra = warm_blocks if warm_words else 0
+    kern((blocks + extra, B, splits), (threads,),
          (out, *_or_null(part_o, part_lse, counters), q, *_or_null(k_new, v_new), k_cache, v_cache,
           *_or_null(k_scale, v_scale), seq_lens,
           *_or_null(alibi_slopes),
-          i32(H), i32(H_kv), i32(S_max), i64(q.strides[0] // item), f32(scale), i32(split_keys or 0)))
+          i32(H), i32(H_kv), i32(S_max), i64(q.strides[0] // item), f32(scale), i32(split_keys or 0),
+          warm if warm_words else 0, i64(warm_words), i32(extra)))
     if splits > 1 and merge == "kernel":
         merge_kern = _build.kernel(_SRC, _merge_name(_build.ctype(q.dtype), D))
         merge_kern((B * H,), (D,), (out, part_o, part_lse, i32(B * H), i32(splits)))

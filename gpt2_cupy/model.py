@@ -98,6 +98,24 @@ DECODE_AHEAD_WIDTH = 1024
 # B = 1 in bfloat16: large 987.3 / 1020.9 / 1088.4 / 1152.2 against 1003.9 / 1082.6 / 1166.8 /
 # 1258.7, XL 1601.5 / 1597.3 / 1674.9 / 1771.6 against 1611.6 / 1692.3 / 1792.5 / 1892.7).
 DECODE_AHEAD_BATCH = 4
+# L2 warm-up in the decode step (decode_attention's warm=): at batch 1, for 16-bit models of
+# these widths, extra blocks of each attention read the first DECODE_WARM_BYTES of the block's MLP
+# down weight into L2. The attention leaves the memory idle, and the MLP down requests its
+# weights last (its blocks take an SM's registers: they start once the MLP up's leave). On an
+# H100 (float16, the step with PDL, a sweep of 512 replays from 8 cached keys as a 512-token call
+# runs them, us a step, two rounds of one run; benchmarks/results/l2_warm_final_1-h100.log and
+# _2): GPT-2 medium 516.7 / 516.7 against 538.2 / 538.0, large 958.1 / 958.2 against 1018.8 /
+# 1021.9, small 209.5 / 209.5 and XL 1608.8 / 1608.7 (which warm nothing) against 208.8 / 209.7
+# and 1605.0 / 1604.7. Choosing it (an earlier form of the kernel, rows and columns of W: the
+# same bytes for whole rows; branch l2-warm; l2_warm_mlp_down-h100.log): medium 519.2 / 519.3
+# warming 2.6 MB against 535.1 / 535.0 (525.3 / 525.5 warming 1.3 MB, 519.1 / 519.0 4 MB), large
+# 964.8 / 964.5 against 1016.1 / 1015.9 (its MLP up past the first batch instead, 2.6 MB: 956.0 /
+# 955.5), XL 1595.6 against 1596.6 (one round); GPT-2 small lost, 223.1 / 222.8 against 216.3 /
+# 216.5 (its whole MLP down, 4.7 MB: 233.5 / 232.8), and so did medium's whole MLP down (8.4
+# MB), 561.3 / 561.4 against 540.3 / 540.1 (l2_warm_mlp_down_small-h100.log); XL's MLP up past
+# its first batch (7.4 MB) took 1695.2 against 1597.2 (l2_warm_blocks-h100.log).
+DECODE_WARM_WIDTHS = (1024, 1280)
+DECODE_WARM_BYTES = 2_600_000
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -498,7 +516,8 @@ class GPT2:
                                 **cache.layer(i))
                     appended = None
                 K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, split_keys=split_keys,
-                                   threads=threads, appended=appended, ahead=ahead, out=buf.att, **cache.layer(i))
+                                   threads=threads, appended=appended, ahead=ahead, out=buf.att,
+                                   warm=self._decode_warm(blk, B), **cache.layer(i))
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x,
                          stats_out=stats)
                 K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f,
@@ -506,6 +525,14 @@ class GPT2:
                 K.linear(buf.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=buf.x, out=buf.x, stats_out=stats)
             self.head(buf, sampling, stats, positions=cache.positions)
         return plan
+
+    def _decode_warm(self, blk, B: int):
+        """What the decode step's attention of block ``blk`` reads into L2 for the kernels after
+        it at batch B (DECODE_WARM_WIDTHS), or None."""
+        if B != 1 or self.dtype == numpy.float32 or self.config.n_embd not in DECODE_WARM_WIDTHS:
+            return None
+        w = blk.mlp_proj_w.reshape(-1)
+        return w[:min(w.size, DECODE_WARM_BYTES // w.itemsize // 8 * 8)]
 
     def _decode_attention_shape(self, cache: KVCache) -> tuple[int, int]:
         """(keys a chunk, threads a block) of the decode step's attention (record_step says why).

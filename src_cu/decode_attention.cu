@@ -32,8 +32,13 @@
 // normalized, and its log2-sum-exp to float32 scratch, and the chunks are combined either
 // by the last block of the heads to finish (given counters) or by decode_attention_merge_kernel,
 // both with merge_column (a thread per output column, 16 splits in flight).
-// Bytes: the K and V rows of each sequence once (2 len D sizeof(KT) per KV head, + scales);
-// FLOPs 4 len D per query head.
+// L2 warm-up (warm_blocks > 0): the last warm_blocks blocks along x of the grid's first (y, z)
+// do no attention; once the kernel before has finished they read warm_words 16-byte words of
+// `warm` (a weight a later kernel of the decode step reads) into L2, with a bounded number of
+// bytes in flight (warm_l2), and exit (their copies along y and z return at once). They let the
+// next kernel start at once; the next kernel's wait covers them, as it covers the attention.
+// Bytes: the K and V rows of each sequence once (2 len D sizeof(KT) per KV head, + scales),
+// and 16 warm_words; FLOPs 4 len D per query head.
 //
 // Specializations: T in {float, __half, __nv_bfloat16} x KT in {T, signed char, __nv_fp8_e4m3}
 // x D in {64, 128} x QPB in {1, 2, 4}, THREADS 128; and THREADS 512 for KT = T; AHEAD (sets of
@@ -45,6 +50,27 @@
 
 using namespace g2c;
 
+namespace {
+constexpr int WARM_LOADS = 8;  // 16-byte words in flight a thread in warm_l2
+
+// Reads words [w0, w1) of `warm` (a weight of a later kernel) into L2, WARM_LOADS a thread at a
+// time: each batch's words are used (the next batch's first word depends on them) before the
+// next batch is requested, so a block has THREADS x WARM_LOADS x 16 bytes in flight at most.
+// ld.global.cg: L2 only.
+template <int THREADS>
+__device__ __noinline__ void warm_l2(const uint4* __restrict__ warm, long long w0, long long w1) {
+    unsigned acc = 0;
+    for (long long w = w0 + threadIdx.x; w < w1;) {
+        uint4 v[WARM_LOADS];
+#pragma unroll
+        for (int u = 0; u < WARM_LOADS; ++u) v[u] = __ldcg(warm + min(w + static_cast<long long>(u) * THREADS, w1 - 1));
+#pragma unroll
+        for (int u = 0; u < WARM_LOADS; ++u) acc ^= v[u].x;
+        w += WARM_LOADS * THREADS + (acc == 0x9e3779b9u);  // (+1 only for that value: the words are waited for)
+    }
+}
+}  // namespace
+
 template <typename T, typename KT, int D, int QPB, int THREADS, int AHEAD>
 __global__ void __launch_bounds__(THREADS)
     decode_attention_kernel(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse,
@@ -53,7 +79,17 @@ __global__ void __launch_bounds__(THREADS)
                             const KT* __restrict__ v_cache, const float* __restrict__ k_scale,
                             const float* __restrict__ v_scale, const int* __restrict__ seq_lens,
                             const float* __restrict__ alibi, int H, int H_kv, int S_max, long long q_sb,
-                            float scale, int chunk_keys) {
+                            float scale, int chunk_keys, const uint4* __restrict__ warm, long long warm_words,
+                            int warm_blocks) {
+    const int groups = gridDim.x - warm_blocks;  // the attention's blocks along x
+    if (static_cast<int>(blockIdx.x) >= groups) {  // an L2 warm-up block (the wrapper's warm=)
+        griddep_launch_dependents();  // it holds nothing the next kernel reads
+        if (blockIdx.y != 0 || blockIdx.z != 0) return;  // one set of warm_blocks does the reading
+        griddep_wait();  // after the kernel before: the words stream in beside the attention's rows
+        const long long per = (warm_words + warm_blocks - 1) / warm_blocks, w0 = (blockIdx.x - groups) * per;
+        warm_l2<THREADS>(warm, w0, min(warm_words, w0 + per));
+        return;
+    }
     const int b = blockIdx.y, splits = gridDim.z;
     // (attend waits for the previous kernel once the first trip's rows are requested)
     attend<T, KT, D, QPB, THREADS, 1, false, false, true, AHEAD>(out, part_o, part_lse, q, k_cache, v_cache,
@@ -79,7 +115,7 @@ __global__ void __launch_bounds__(THREADS)
     __threadfence();  // this thread's partial results are visible to the GPU before it is counted
     __syncthreads();
     if (threadIdx.x == 0)
-        s_last = atomicInc(&counters[b * gridDim.x + blockIdx.x], arrivals - 1) == static_cast<unsigned>(arrivals - 1);
+        s_last = atomicInc(&counters[b * groups + blockIdx.x], arrivals - 1) == static_cast<unsigned>(arrivals - 1);
     __syncthreads();
     if (!s_last) return;
     __threadfence();

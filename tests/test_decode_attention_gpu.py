@@ -186,6 +186,35 @@ def test_decode_attention_trips_ahead(H, D, dtype, split_keys):
         assert cp.array_equal(out.view(cp.uint8), one.view(cp.uint8)), appended is None
 
 
+@pytest.mark.parametrize("words", [0, 1, 1000, 163_841])  # 163,841: 2.6 MB and one word, not a multiple of the blocks
+@pytest.mark.parametrize("threads,split_keys,ahead", [(128, None, 1), (128, 40, 1), (512, 1000, 1), (128, 40, 4)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_warm_keeps_the_bits(dtype, threads, split_keys, ahead, words):
+    """Extra blocks reading a weight into L2 (warm=) leave the output's bits, the merge of split
+    chunks (counters) and the warmed array as they were, for one sequence and several."""
+    if ahead != 1 and dtype == np.float32:
+        pytest.skip("trips ahead take 16-bit caches")
+    rng = np.random.default_rng(words + threads + (split_keys or 0))
+    H, D = 12, 64
+    for lens in ([300], [1, 7, 1000, 130]):
+        B, S = len(lens), max(lens) + 3
+        cache, k_host, v_host = build_cache(rng, B, H, S, D, lens, dtype, None)
+        q, qh = rand(rng, (B, H, D), dtype)
+        args = dict(seq_lens=cp.asarray(np.array(lens, dtype=np.int32)), split_keys=split_keys, threads=threads,
+                    ahead=ahead, **cache)
+        plain = poisoned((B, H, D), dtype)
+        K.decode_attention(q, out=plain, **args)
+        check(plain, ref.decode_attention(qh, k_host, v_host, lens), dtype)
+        weight = cp.asarray(rng.integers(0, 2**31, (words, 4), dtype=np.int64).astype(np.uint32))
+        before = weight.copy()
+        for blocks in (1, 7, 128):
+            out = poisoned((B, H, D), dtype)
+            K.decode_attention(q, out=out, warm=weight, warm_blocks=blocks, **args)
+            assert cp.array_equal(out.view(cp.uint8), plain.view(cp.uint8)), (lens, blocks)
+        assert cp.array_equal(weight, before)
+        assert not _COUNTERS or all(int(c.sum()) == 0 for c in _COUNTERS.values())
+
+
 @pytest.mark.parametrize("threads", [128, 512])
 @pytest.mark.parametrize("qpb", [1, 2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -328,6 +357,15 @@ def test_decode_attention_bad_inputs_raise():
     with pytest.raises(ValueError, match="float16 or bfloat16 cache"):
         K.decode_attention(q, kq, kq, seq, ahead=4, k_scale=cp.ones((2, 4, 16), np.float32),
                            v_scale=cp.ones((2, 4, 16), np.float32))
+    w = cp.zeros((64, 64), np.float16)
+    for bad in (w[:, :60], w.reshape(-1)[4:], w.reshape(-1)[:4]):  # not contiguous, 8 bytes off, 8 bytes long
+        with pytest.raises(ValueError, match="warm must be"):
+            K.decode_attention(q, kc, kc, seq, warm=bad)
+    with pytest.raises(TypeError, match="warm must live on the GPU"):
+        K.decode_attention(q, kc, kc, seq, warm=np.zeros(64, np.float16))
+    for blocks in (0, 1025, 2.0, True):
+        with pytest.raises(ValueError, match="warm_blocks"):
+            K.decode_attention(q, kc, kc, seq, warm=w, warm_blocks=blocks)
     q32, k32 = cp.zeros((2, 8, 64), np.float32), cp.zeros((2, 8, 16, 64), np.float32)
     with pytest.raises(ValueError, match="float16 or bfloat16 cache"):
         K.decode_attention(q32, k32, k32, seq, ahead=4)

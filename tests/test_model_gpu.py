@@ -138,6 +138,33 @@ def test_attention_trips_ahead_keep_the_tokens(small, dtype, monkeypatch):
     assert pairs == batch
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_attention_l2_warm_keeps_the_tokens(small, dtype, monkeypatch):
+    """The decode step's attention reading part of the MLP down's weight into L2 (chosen at
+    batch 1 for GPT-2 medium and large; here for GPT-2 small) gives each prompt the tokens it
+    gets in a batch, which warms nothing."""
+    import cupy_kernels as K
+    import gpt2_cupy.model as M
+
+    hf, _ = small
+    model = GPT2.from_hf(hf, dtype)
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(0, 50257, int(n)).tolist() for n in (1, 70, 600)]  # 600: two chunks of keys
+    batch = model.generate(prompts, 40)
+    monkeypatch.setattr(M, "DECODE_WARM_WIDTHS", (model.config.n_embd,))
+    warmed, real = [], K.decode_attention
+
+    def spy(*args, **kwargs):
+        if kwargs.get("warm") is not None:
+            warmed.append(kwargs["warm"].nbytes)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(K, "decode_attention", spy)
+    alone = [model.generate(p, 40) for p in prompts]
+    assert warmed and set(warmed) == {M.DECODE_WARM_BYTES // 16 * 16}
+    assert alone == batch
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_packed_prefill_equals_each_prompt_alone(small, dtype, monkeypatch):
     """Prompts prefilled together (one forward over their tokens packed along time, or
