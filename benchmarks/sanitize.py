@@ -149,6 +149,8 @@ def main():
         ring = cupyx.empty_pinned((3, 5), dtype=np.int32)  # (kept until the synchronize: the GPU writes it)
         K.publish_tokens(cp.arange(5, dtype=np.int32), ring, cp.asarray([2], dtype=np.int32))
         K.read_floor(r(1001, 8, dtype=dtype), r(3, 8, dtype=dtype), blocks=7, threads=96)
+        K.read_under_load(r(1001, 8, dtype=dtype), cp.asarray(np.arange(1, 65, dtype=np.uint32) % 64), blocks=7,
+                          threads=96, loads=8, hops=9)
         cp.cuda.runtime.deviceSynchronize()
     print("all kernels ran")
 

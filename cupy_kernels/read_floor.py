@@ -1,8 +1,9 @@
 """The time floor of a memory-bound operation: read its input bytes once and compute
-nothing. Benchmarks time it on the bytes an operation must read, beside the operation.
+nothing. Benchmarks time it on the bytes an operation must read, beside the operation; and
+what one dependent load waits while such a read streams (``read_under_load``).
 
 Kernel: ``src_cu/read_floor.cu``. Tests: ``tests/test_kernels_gpu.py``.
-Benchmark: ``benchmarks/decode_attention.py``.
+Benchmarks: ``benchmarks/decode_attention.py``, ``benchmarks/memory_queue.py``.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import cupy
 import numpy
 
 from . import _build, _checks
-from ._build import i64
+from ._build import i32, i64
 
 _SRC = "read_floor.cu"
 _NAME = "read_floor_kernel"
-_build.declare(_SRC, [_NAME])
+UNDER_LOAD_IN_FLIGHT = (4, 8)  # read_under_load's 16-byte loads in flight a thread
+_build.declare(_SRC, [_NAME] + [f"read_under_load_kernel<{n}>" for n in UNDER_LOAD_IN_FLIGHT])
 
 
 def _words(a, name: str) -> cupy.ndarray:
@@ -45,3 +47,36 @@ def read_floor(a, b=None, *, blocks: int, threads: int = 256, out=None) -> cupy.
     out = _checks.output(out, "out", (blocks,), numpy.uint32)
     _build.kernel(_SRC, _NAME)((blocks,), (threads,), (out, a, i64(a.nbytes // 16), b, i64(b.nbytes // 16)))
     return out
+
+
+def read_under_load(a, chase, *, blocks: int, threads: int = 256, loads: int = 4, hops: int = 0,
+                    delay_ns: int = 0, out=None, lat=None) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """Reads every byte of ``a`` once with ``blocks`` x ``threads`` threads, each with ``loads``
+    16-byte loads in flight (blocks x threads x loads x 16 bytes requested at once), while one
+    more block times a dependent load: after ``delay_ns`` its thread follows ``chase`` from 0
+    (``i = chase[i]``, through L2) ``hops`` times.
+
+    a: contiguous, whole 16-byte words from a 16-byte boundary. chase: contiguous uint32 [n]
+    whose every value is an index below n (not checked on the GPU). Returns (out uint32
+    [blocks]: each streaming block's XOR of its words, as read_floor; lat uint64 [2]: the mean
+    ns a hop, and the index the chase ended on).
+    """
+    a = _words(a, "a")
+    chase = _checks.as_array(chase, "chase")
+    if chase.dtype != numpy.uint32 or chase.ndim != 1 or not chase.flags.c_contiguous or chase.size == 0:
+        raise ValueError(f"chase must be a non-empty contiguous 1-D uint32 array, got {chase.dtype} {chase.shape}")
+    if not isinstance(blocks, (int, numpy.integer)) or blocks < 1:
+        raise ValueError(f"blocks must be at least 1, got {blocks!r}")
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+    if loads not in UNDER_LOAD_IN_FLIGHT:
+        raise ValueError(f"loads must be one of {UNDER_LOAD_IN_FLIGHT}, got {loads!r}")
+    if not isinstance(hops, (int, numpy.integer)) or not 0 <= hops < 2**31:
+        raise ValueError(f"hops must be an integer in [0, 2**31), got {hops!r}")
+    if not isinstance(delay_ns, (int, numpy.integer)) or delay_ns < 0:
+        raise ValueError(f"delay_ns must be a non-negative integer, got {delay_ns!r}")
+    out = _checks.output(out, "out", (blocks,), numpy.uint32)
+    lat = _checks.output(lat, "lat", (2,), numpy.uint64)
+    kern = _build.kernel(_SRC, f"read_under_load_kernel<{loads}>")
+    kern((blocks + 1,), (threads,), (out, a, i64(a.nbytes // 16), chase, i32(hops), i64(delay_ns), lat))
+    return out, lat

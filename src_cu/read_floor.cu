@@ -8,8 +8,15 @@
 // Mapping: a grid-stride loop over the 16-byte words of a then b (one index space), four
 // independent loads in flight per thread before any is used; the block folds its words
 // with xor-shuffles and shared memory. Bytes: 16 (n_a + n_b) read; no FLOPs.
-// Specialization: one (no template). Wrapper: cupy_kernels/read_floor.py
-// Test: tests/test_kernels_gpu.py   Benchmark: benchmarks/decode_attention.py
+//
+// read_under_load_kernel<IN_FLIGHT>: what one dependent load waits while the others stream. Blocks
+// 0 .. gridDim.x - 2 read `a` as above with IN_FLIGHT loads in flight a thread (blocks x threads x
+// IN_FLIGHT x 16 bytes requested at once); the last block's thread 0 waits `delay` ns (the stream at
+// its pace), then follows `chase` (i = chase[i], ld.global.cg: through L2) `hops` times and
+// writes the mean ns a hop and the index it ended on into lat[0], lat[1].
+// Specializations: read_floor_kernel; read_under_load_kernel<4>, <8>.
+// Wrapper: cupy_kernels/read_floor.py   Test: tests/test_kernels_gpu.py
+// Benchmarks: benchmarks/decode_attention.py, benchmarks/memory_queue.py
 #include "common.cuh"
 
 using namespace g2c;
@@ -23,12 +30,31 @@ __device__ __forceinline__ uint4 word(const uint4* __restrict__ a, long long n_a
                                       long long i) {
     return i < n_a ? a[i] : b[i - n_a];
 }
+
+// The block's XOR of acc into out[blockIdx.x] (blockDim.x a multiple of 32).
+__device__ __forceinline__ void block_xor(unsigned acc, unsigned* __restrict__ out) {
+    __shared__ unsigned s_warp[32];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc ^= __shfl_xor_sync(FULL_MASK, acc, off);
+    if (threadIdx.x % 32 == 0) s_warp[threadIdx.x / 32] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned total = 0;
+        for (int w = 0; w < static_cast<int>(blockDim.x) / 32; ++w) total ^= s_warp[w];
+        out[blockIdx.x] = total;
+    }
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return t;
+}
 }  // namespace
 
 __global__ void __launch_bounds__(1024)
     read_floor_kernel(unsigned* __restrict__ out, const uint4* __restrict__ a, long long n_a,
                       const uint4* __restrict__ b, long long n_b) {
-    __shared__ unsigned s_warp[32];
     const long long n = n_a + n_b, stride = static_cast<long long>(gridDim.x) * blockDim.x;
     long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     unsigned acc = 0;
@@ -40,13 +66,38 @@ __global__ void __launch_bounds__(1024)
         for (int u = 0; u < LOADS; ++u) acc ^= fold(v[u]);
     }
     for (; i < n; i += stride) acc ^= fold(word(a, n_a, b, i));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc ^= __shfl_xor_sync(FULL_MASK, acc, off);
-    if (threadIdx.x % 32 == 0) s_warp[threadIdx.x / 32] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned total = 0;
-        for (int w = 0; w < static_cast<int>(blockDim.x) / 32; ++w) total ^= s_warp[w];
-        out[blockIdx.x] = total;
+    block_xor(acc, out);
+}
+
+template <int IN_FLIGHT>
+__global__ void __launch_bounds__(1024)
+    read_under_load_kernel(unsigned* __restrict__ out, const uint4* __restrict__ a, long long n,
+                           const unsigned* __restrict__ chase, int hops, long long delay,
+                           unsigned long long* __restrict__ lat) {
+    const int streams = gridDim.x - 1;
+    if (static_cast<int>(blockIdx.x) == streams) {  // the probe
+        if (threadIdx.x == 0) {
+            const unsigned long long t0 = global_ns();
+            while (global_ns() - t0 < static_cast<unsigned long long>(delay)) {}
+            unsigned j = 0;
+            const unsigned long long t1 = global_ns();
+            for (int h = 0; h < hops; ++h) j = __ldcg(chase + j);
+            const unsigned long long t2 = global_ns();
+            lat[0] = hops > 0 ? (t2 - t1) / hops : 0;
+            lat[1] = j;
+        }
+        return;
     }
+    const long long stride = static_cast<long long>(streams) * blockDim.x;
+    long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    unsigned acc = 0;
+    for (; i + (IN_FLIGHT - 1) * stride < n; i += IN_FLIGHT * stride) {
+        uint4 v[IN_FLIGHT];
+#pragma unroll
+        for (int u = 0; u < IN_FLIGHT; ++u) v[u] = a[i + u * stride];
+#pragma unroll
+        for (int u = 0; u < IN_FLIGHT; ++u) acc ^= fold(v[u]);
+    }
+    for (; i < n; i += stride) acc ^= fold(a[i]);
+    block_xor(acc, out);
 }

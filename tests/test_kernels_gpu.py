@@ -658,6 +658,44 @@ def test_read_floor_reads_every_word_once(words_a, words_b, blocks, threads):
     assert (out.get() != 0xDEADBEEF).all()
 
 
+@pytest.mark.parametrize("loads", [4, 8])
+@pytest.mark.parametrize("words,blocks,threads,hops", [(1, 1, 32, 0), (40001, 7, 96, 5), (3, 264, 1024, 37)])
+def test_read_under_load_reads_every_word_and_follows_the_chase(words, blocks, threads, loads, hops):
+    rng = np.random.default_rng(words + blocks + loads)
+    a = rng.integers(0, 2**32, 4 * words, dtype=np.uint32)
+    chase = rng.permutation(1000).astype(np.uint32)
+    out = cp.full(blocks, 0xDEADBEEF, np.uint32)
+    lat = cp.full(2, 2**64 - 1, np.uint64)  # poisoned
+    K.read_under_load(cp.asarray(a), cp.asarray(chase), blocks=blocks, threads=threads, loads=loads, hops=hops,
+                      delay_ns=1000, out=out, lat=lat)
+    assert np.bitwise_xor.reduce(out.get(), initial=np.uint32(0)) == np.bitwise_xor.reduce(a, initial=np.uint32(0))
+    assert (out.get() != 0xDEADBEEF).all()
+    j = 0
+    for _ in range(hops):
+        j = int(chase[j])
+    ns, end = lat.get()
+    assert end == j
+    assert (ns > 0) == (hops > 0) and ns < 10**7
+
+
+def test_read_under_load_bad_inputs_raise():
+    a, chase = cp.zeros(64, np.uint8), cp.zeros(4, np.uint32)
+    with pytest.raises(ValueError, match="chase"):
+        K.read_under_load(a, chase.astype(np.int32), blocks=1)
+    with pytest.raises(ValueError, match="chase"):
+        K.read_under_load(a, chase[:0], blocks=1)
+    with pytest.raises(ValueError, match="loads"):
+        K.read_under_load(a, chase, blocks=1, loads=5)
+    with pytest.raises(ValueError, match="hops"):
+        K.read_under_load(a, chase, blocks=1, hops=-1)
+    with pytest.raises(ValueError, match="delay_ns"):
+        K.read_under_load(a, chase, blocks=1, delay_ns=-5)
+    with pytest.raises(ValueError, match="blocks"):
+        K.read_under_load(a, chase, blocks=0)
+    with pytest.raises(ValueError, match="16-byte"):
+        K.read_under_load(a[4:], chase, blocks=1)
+
+
 def test_read_floor_bad_inputs_raise():
     x = cp.zeros(12, np.uint8)
     with pytest.raises(ValueError, match="16-byte"):
