@@ -30,6 +30,13 @@ def _words(a, name: str) -> cupy.ndarray:
     return a.reshape(-1)
 
 
+def _check_grid(blocks, threads) -> None:
+    if not isinstance(blocks, (int, numpy.integer)) or blocks < 1:
+        raise ValueError(f"blocks must be an integer of at least 1, got {blocks!r}")
+    if not isinstance(threads, (int, numpy.integer)) or threads % 32 or not 32 <= threads <= 1024:
+        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
+
+
 def read_floor(a, b=None, *, blocks: int, threads: int = 256, out=None) -> cupy.ndarray:
     """Reads every byte of ``a`` and of ``b`` (optional) once with ``blocks`` x ``threads``
     threads. Returns uint32 [blocks]: each block's XOR of the 32-bit words it read, so the
@@ -40,10 +47,7 @@ def read_floor(a, b=None, *, blocks: int, threads: int = 256, out=None) -> cupy.
     """
     a = _words(a, "a")
     b = a[:0] if b is None else _words(b, "b")
-    if blocks < 1:
-        raise ValueError(f"blocks must be at least 1, got {blocks}")
-    if threads % 32 or not 32 <= threads <= 1024:
-        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+    _check_grid(blocks, threads)
     out = _checks.output(out, "out", (blocks,), numpy.uint32)
     _build.kernel(_SRC, _NAME)((blocks,), (threads,), (out, a, i64(a.nbytes // 16), b, i64(b.nbytes // 16)))
     return out
@@ -65,10 +69,7 @@ def read_under_load(a, chase, *, blocks: int, threads: int = 256, loads: int = 4
     chase = _checks.as_array(chase, "chase")
     if chase.dtype != numpy.uint32 or chase.ndim != 1 or not chase.flags.c_contiguous or chase.size == 0:
         raise ValueError(f"chase must be a non-empty contiguous 1-D uint32 array, got {chase.dtype} {chase.shape}")
-    if not isinstance(blocks, (int, numpy.integer)) or blocks < 1:
-        raise ValueError(f"blocks must be at least 1, got {blocks!r}")
-    if threads % 32 or not 32 <= threads <= 1024:
-        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+    _check_grid(blocks, threads)
     if loads not in UNDER_LOAD_IN_FLIGHT:
         raise ValueError(f"loads must be one of {UNDER_LOAD_IN_FLIGHT}, got {loads!r}")
     if not isinstance(hops, (int, numpy.integer)) or not 0 <= hops < 2**31:
