@@ -1,0 +1,175 @@
+"""A-B of decode-step variants on one session's buffers.
+
+    python -m benchmarks.step_variants gpt2:float16:1 gpt2-xl:float16:1 \
+        --variant base --variant "deep:DECODE_AHEAD_WIDTH=768" --variant "chunks:DECODE_SPLIT_KEYS=256"
+
+Rebuilding a session (new decode buffers and KV cache) moved GPT-2 small's step by up to 2%
+on the H100 (208.7-211.9 us, benchmarks/results/late_release_one_process-h100.log), as much
+as many changes measured. Here each case (size:dtype:batch) makes one model (random weights,
+seed 0) and one session by a 512-token greedy call; then the step is recorded once per
+variant over that session's buffers and captured as a CUDA graph with programmatic dependent
+launch. Four rounds, in alternating order, swap each variant's graph into the session and
+time a 512-token call (wall time a token, the median of two) and a sweep of 512 replays from
+8 cached keys (us a step: the lengths such a call runs, without the host). The spread of one
+variant's rounds is about 0.2%.
+
+A variant is ``name`` or ``name:CONST=value[;CONST=value...]``: constants of
+gpt2_cupy.model (Python literals) in effect while its step is recorded, restored after. The
+first variant is the reference of the ratios. Writes benchmarks/results/<--name>-<device>.json
+(step_variants by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gc
+import statistics
+import time
+
+import cupy as cp
+import numpy as np
+
+from benchmarks.common import banner, write_results
+from benchmarks.decode_step import PROMPT
+
+ROUNDS = 4
+NEW = 512
+START = 8  # cached keys at the sweep's first replay (the prompt's length)
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``name[:CONST=value;...]`` -> (name, {CONST: value}), each CONST a constant of
+    gpt2_cupy.model and each value a Python literal."""
+    import gpt2_cupy.model as M
+
+    name, _, sets = text.partition(":")
+    if not name:
+        raise ValueError(f"variant {text!r} has no name")
+    settings = {}
+    for item in filter(None, (s.strip() for s in sets.split(";"))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key.isupper() or not hasattr(M, key):
+            raise ValueError(f"variant {name!r}: {item!r} is not CONST=value for a constant of gpt2_cupy.model")
+        try:
+            settings[key] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError) as err:
+            raise ValueError(f"variant {name!r}: the value of {key} is not a Python literal: {value!r}") from err
+    return name, settings
+
+
+def parse_case(text: str) -> tuple[str, str, int]:
+    from gpt2_cupy import SIZES
+
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in SIZES or parts[1] not in ("float32", "float16", "bfloat16") \
+            or not parts[2].isdigit() or int(parts[2]) < 1:
+        raise ValueError(f"case {text!r} is not size:dtype:batch (sizes {', '.join(SIZES)}; float32, float16 or "
+                         f"bfloat16; a batch of at least 1)")
+    return parts[0], parts[1], int(parts[2])
+
+
+def _call_us(model, prompts) -> float:
+    cp.cuda.runtime.deviceSynchronize()
+    t0 = time.perf_counter()
+    model.generate(prompts, NEW)
+    cp.cuda.runtime.deviceSynchronize()
+    return (time.perf_counter() - t0) / NEW * 1e6
+
+
+def _sweep_us(session) -> float:
+    """A step's time over NEW replays of the session's graph from START cached keys (median of 3)."""
+    times = []
+    with session.stream:
+        for _ in range(3):
+            session.cache.positions.set(np.full(session.batch, START, np.int32))
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record(session.stream)
+            for _ in range(NEW):
+                session.graph.launch(session.stream)
+            stop.record(session.stream)
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / NEW)
+    return statistics.median(times)
+
+
+def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]) -> list[dict]:
+    import torch
+    import transformers
+
+    import gpt2_cupy.model as M
+    from gpt2_cupy import GPT2, SIZES
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = transformers.GPT2LMHeadModel(SIZES[size].to_hf())
+    model = GPT2.from_hf(hf, dtype)
+    del hf
+    torch.cuda.empty_cache()
+    prompts = [PROMPT] * batch if batch > 1 else PROMPT
+    model.generate(prompts, NEW)  # the session every variant's step runs on
+    (session,) = [s for pool in model.engine._sessions.values() for s in pool]
+    if session.graph is None:
+        raise RuntimeError("the session has no CUDA graph")
+    kept = {}
+    for name, settings in variants:
+        saved = {k: getattr(M, k) for k in settings}
+        try:
+            for k, v in settings.items():
+                setattr(M, k, v)
+            session.step = model.record_step(session.cache, session.buf, None)
+            session.graph = session.capture(True)
+        finally:
+            for k, v in saved.items():
+                setattr(M, k, v)
+        kept[name] = (session.step, session.graph)
+    names = [n for n, _ in variants]
+    calls, sweeps = {n: [] for n in names}, {n: [] for n in names}
+    for r in range(ROUNDS):
+        for n in names if r % 2 == 0 else names[::-1]:
+            session.step, session.graph = kept[n]
+            calls[n].append(statistics.median(_call_us(model, prompts) for _ in range(2)))
+            sweeps[n].append(_sweep_us(session))
+    ref_call, ref_sweep = statistics.median(calls[names[0]]), statistics.median(sweeps[names[0]])
+    rows = []
+    for name, settings in variants:
+        call, sweep = statistics.median(calls[name]), statistics.median(sweeps[name])
+        rows.append({"bench": "step_variants", "model": size, "dtype": dtype, "batch": batch, "variant": name,
+                     "settings": {k: repr(v) for k, v in settings.items()},
+                     "call_us_per_token": round(call, 2), "call_rounds": [round(v, 2) for v in calls[name]],
+                     "sweep_us": round(sweep, 2), "sweep_rounds": [round(v, 2) for v in sweeps[name]],
+                     "call_ratio": round(call / ref_call, 4), "sweep_ratio": round(sweep / ref_sweep, 4)})
+        print(f"{size} {dtype} B={batch} {name:16s} call {call:9.1f} us/token ({call / ref_call:.3f}x)  "
+              f"sweep {sweep:9.2f} us ({sweep / ref_sweep:.3f}x)  rounds {' '.join(f'{v:.1f}' for v in sweeps[name])}",
+              flush=True)
+    session.step, session.graph = kept[names[0]]
+    del model, session, kept
+    gc.collect()
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("cases", nargs="+", help="size:dtype:batch, e.g. gpt2:float16:1")
+    p.add_argument("--variant", action="append", required=True,
+                   help="name[:CONST=value;...] (constants of gpt2_cupy.model); repeat; the first is the reference")
+    p.add_argument("--name", default="step_variants", help="results file name (without -<device>.json)")
+    args = p.parse_args()
+    try:
+        cases = [parse_case(c) for c in args.cases]
+        variants = [parse_variant(v) for v in args.variant]
+    except ValueError as err:
+        p.error(str(err))
+    if len({n for n, _ in variants}) != len(variants):
+        p.error("variant names must differ")
+    print(banner(), flush=True)
+    rows = []
+    for size, dtype, batch in cases:
+        rows += run_case(size, dtype, batch, variants)
+        write_results(args.name, rows, {})  # (after every case: a run cut short keeps what it measured)
+    print(f"wrote {write_results(args.name, rows, {})}")
+
+
+if __name__ == "__main__":
+    main()
