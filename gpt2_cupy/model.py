@@ -113,9 +113,12 @@ DECODE_AHEAD_BATCH = 4
 # 955.5), XL 1595.6 against 1596.6 (one round); GPT-2 small lost, 223.1 / 222.8 against 216.3 /
 # 216.5 (its whole MLP down, 4.7 MB: 233.5 / 232.8), and so did medium's whole MLP down (8.4
 # MB), 561.3 / 561.4 against 540.3 / 540.1 (l2_warm_mlp_down_small-h100.log); XL's MLP up past
-# its first batch (7.4 MB) took 1695.2 against 1597.2 (l2_warm_blocks-h100.log).
+# its first batch (7.4 MB) took 1695.2 against 1597.2 (l2_warm_blocks-h100.log). The bytes
+# measured again on one session's buffers (benchmarks/step_variants.py, which measures to about
+# 0.3%; warm_bytes-h100.json, us a sweep warming 2.6 / 3.3 / 4 / 5 / 6 MB): medium 521.1 / 516.6
+# / 515.0 / 513.7 / 515.9, large 974.2 / 962.5 / 955.5 / 953.1 / 956.1.
 DECODE_WARM_WIDTHS = (1024, 1280)
-DECODE_WARM_BYTES = 2_600_000
+DECODE_WARM_BYTES = 5_000_000
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
