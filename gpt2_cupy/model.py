@@ -98,11 +98,12 @@ DECODE_AHEAD_WIDTH = 1024
 # B = 1 in bfloat16: large 987.3 / 1020.9 / 1088.4 / 1152.2 against 1003.9 / 1082.6 / 1166.8 /
 # 1258.7, XL 1601.5 / 1597.3 / 1674.9 / 1771.6 against 1611.6 / 1692.3 / 1792.5 / 1892.7).
 DECODE_AHEAD_BATCH = 4
-# L2 warm-up in the decode step (decode_attention's warm=): at batch 1, for 16-bit models of
-# these widths, extra blocks of each attention read the first DECODE_WARM_BYTES of the block's MLP
-# down weight into L2. The attention leaves the memory idle, and the MLP down requests its
-# weights last (its blocks take an SM's registers: they start once the MLP up's leave). On an
-# H100 (float16, the step with PDL, a sweep of 512 replays from 8 cached keys as a 512-token call
+# L2 warm-up in the decode step (decode_attention's warm=): at batch 1 (and up to
+# DECODE_WARM_BATCH), for 16-bit models of these widths, extra blocks of each attention read the
+# first DECODE_WARM_BYTES of the block's MLP down weight into L2. The attention leaves the
+# memory idle, and the MLP down requests its weights last (its blocks take an SM's registers:
+# they start once the MLP up's leave).
+# On an H100 (float16, the step with PDL, a sweep of 512 replays from 8 cached keys as a 512-token call
 # runs them, us a step, two rounds of one run; benchmarks/results/l2_warm_final_1-h100.log and
 # _2): GPT-2 medium 516.7 / 516.7 against 538.2 / 538.0, large 958.1 / 958.2 against 1018.8 /
 # 1021.9, small 209.5 / 209.5 and XL 1608.8 / 1608.7 (which warm nothing) against 208.8 / 209.7
@@ -119,6 +120,10 @@ DECODE_AHEAD_BATCH = 4
 # / 515.0 / 513.7 / 515.9, large 974.2 / 962.5 / 955.5 / 953.1 / 956.1.
 DECODE_WARM_WIDTHS = (1024, 1280)
 DECODE_WARM_BYTES = 5_000_000
+# Batches (session rows) of up to DECODE_WARM_BATCH warm too. The same measure at 2 / 4 rows,
+# us a sweep without / with the warm-up (warm_batch-h100.json): medium 546.7 / 528.3 and 558.6
+# / 557.5, large 1010.8 / 983.3 and 1012.1 / 1091.8.
+DECODE_WARM_BATCH = 2
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -531,8 +536,8 @@ class GPT2:
 
     def _decode_warm(self, blk, B: int):
         """What the decode step's attention of block ``blk`` reads into L2 for the kernels after
-        it at batch B (DECODE_WARM_WIDTHS), or None."""
-        if B != 1 or self.dtype == numpy.float32 or self.config.n_embd not in DECODE_WARM_WIDTHS:
+        it at batch B (DECODE_WARM_WIDTHS, DECODE_WARM_BATCH), or None."""
+        if B > DECODE_WARM_BATCH or self.dtype == numpy.float32 or self.config.n_embd not in DECODE_WARM_WIDTHS:
             return None
         w = blk.mlp_proj_w.reshape(-1)
         return w[:min(w.size, DECODE_WARM_BYTES // w.itemsize // 8 * 8)]
