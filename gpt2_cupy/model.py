@@ -97,7 +97,11 @@ DECODE_AHEAD_WIDTH = 1024
 # 720.6, XL 1674.8 / 1714.6 / 1898.2 / 2068.9 against 1682.9 / 1752.0 / 1926.7 / 2137.0 (and at
 # B = 1 in bfloat16: large 987.3 / 1020.9 / 1088.4 / 1152.2 against 1003.9 / 1082.6 / 1166.8 /
 # 1258.7, XL 1601.5 / 1597.3 / 1674.9 / 1771.6 against 1611.6 / 1692.3 / 1792.5 / 1892.7).
-DECODE_AHEAD_BATCH = 4
+# Batches of 8 too, measured on one session's buffers (benchmarks/step_variants.py; ahead_batch-
+# h100.json, us a sweep of 512 replays from 8 cached keys, 1 / 4 trips ahead): medium 608.6 /
+# 595.2, large 1151.3 / 1129.8, XL 1975.1 / 1974.3 (GPT-2 small at batch 2 and 4, which stays
+# at one: 219.6 / 220.5 and 232.1 / 235.0, ahead_small-h100.json).
+DECODE_AHEAD_BATCH = 8
 # L2 warm-up in the decode step (decode_attention's warm=): at batch 1 (and up to
 # DECODE_WARM_BATCH), for 16-bit models of these widths, extra blocks of each attention read the
 # first DECODE_WARM_BYTES of the block's MLP down weight into L2. The attention leaves the
