@@ -13,10 +13,12 @@ time a 512-token call (wall time a token, the median of two) and a sweep of 512 
 8 cached keys (us a step: the lengths such a call runs, without the host). The spread of one
 variant's rounds is about 0.2%.
 
-A variant is ``name`` or ``name:CONST=value[;CONST=value...]``: constants of
-gpt2_cupy.model (Python literals) in effect while its step is recorded, restored after. The
-first variant is the reference of the ratios. Writes benchmarks/results/<--name>-<device>.json
-(step_variants by default).
+A variant is ``name`` or ``name:CONST=value[;CONST=value...]``: constants (Python literals)
+in effect while its step is recorded, restored after: CONST of gpt2_cupy.model, or
+module.CONST of another module of gpt2_cupy or cupy_kernels (e.g.
+``cupy_kernels.linear.MMA_CHUNKS_PER_WARP=3``: what a launch's shape is chosen from, read when
+the step is recorded). The first variant is the reference of the ratios. Writes
+benchmarks/results/<--name>-<device>.json (step_variants by default).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ast
 import gc
+import importlib
 import statistics
 import time
 
@@ -38,11 +41,22 @@ NEW = 512
 START = 8  # cached keys at the sweep's first replay (the prompt's length)
 
 
-def parse_variant(text: str) -> tuple[str, dict]:
-    """``name[:CONST=value;...]`` -> (name, {CONST: value}), each CONST a constant of
-    gpt2_cupy.model and each value a Python literal."""
-    import gpt2_cupy.model as M
+def _owner(key: str):
+    """(module, attribute) of a setting's key: CONST (gpt2_cupy.model) or module.CONST."""
+    module, _, attr = key.rpartition(".")
+    module = module or "gpt2_cupy.model"
+    if not attr.isupper() or module.split(".")[0] not in ("gpt2_cupy", "cupy_kernels"):
+        return None, attr
+    try:
+        mod = importlib.import_module(module)  # (the module itself, where a package attribute shadows it)
+    except ImportError:
+        return None, attr
+    return (mod, attr) if hasattr(mod, attr) else (None, attr)
 
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``name[:CONST=value;...]`` -> (name, {key: value}), each key CONST (gpt2_cupy.model)
+    or module.CONST (a module of gpt2_cupy or cupy_kernels) and each value a Python literal."""
     name, _, sets = text.partition(":")
     if not name:
         raise ValueError(f"variant {text!r} has no name")
@@ -50,8 +64,9 @@ def parse_variant(text: str) -> tuple[str, dict]:
     for item in filter(None, (s.strip() for s in sets.split(";"))):
         key, eq, value = item.partition("=")
         key = key.strip()
-        if not eq or not key.isupper() or not hasattr(M, key):
-            raise ValueError(f"variant {name!r}: {item!r} is not CONST=value for a constant of gpt2_cupy.model")
+        if not eq or _owner(key)[0] is None:
+            raise ValueError(f"variant {name!r}: {item!r} is not CONST=value for a constant of gpt2_cupy.model, "
+                             f"nor module.CONST=value for one of another gpt2_cupy or cupy_kernels module")
         try:
             settings[key] = ast.literal_eval(value.strip())
         except (ValueError, SyntaxError) as err:
@@ -98,7 +113,6 @@ def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]
     import torch
     import transformers
 
-    import gpt2_cupy.model as M
     from gpt2_cupy import GPT2, SIZES
 
     torch.manual_seed(0)
@@ -114,15 +128,16 @@ def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]
         raise RuntimeError("the session has no CUDA graph")
     kept = {}
     for name, settings in variants:
-        saved = {k: getattr(M, k) for k in settings}
+        owners = {k: _owner(k) for k in settings}
+        saved = {k: getattr(mod, attr) for k, (mod, attr) in owners.items()}
         try:
             for k, v in settings.items():
-                setattr(M, k, v)
+                setattr(*owners[k], v)
             session.step = model.record_step(session.cache, session.buf, None)
             session.graph = session.capture(True)
         finally:
             for k, v in saved.items():
-                setattr(M, k, v)
+                setattr(*owners[k], v)
         kept[name] = (session.step, session.graph)
     names = [n for n, _ in variants]
     calls, sweeps = {n: [] for n in names}, {n: [] for n in names}
@@ -153,7 +168,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("cases", nargs="+", help="size:dtype:batch, e.g. gpt2:float16:1")
     p.add_argument("--variant", action="append", required=True,
-                   help="name[:CONST=value;...] (constants of gpt2_cupy.model); repeat; the first is the reference")
+                   help="name[:CONST=value;...] (constants of gpt2_cupy.model, or module.CONST); repeat; the first "
+                        "is the reference")
     p.add_argument("--name", default="step_variants", help="results file name (without -<device>.json)")
     args = p.parse_args()
     try:

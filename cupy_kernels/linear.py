@@ -234,7 +234,13 @@ def _mma_warps(K: int) -> int:
     lost: 239.9 / 251.7 at B = 1. Small takes 12. GPT-2 XL's rows of 1,600 values (q|k|v, attention
     projection, MLP up, LM head) in 10 / 13 / 16 warps instead of 8 lost 7-10% (same run of each,
     benchmarks/results/kw_1600_xl-h100.log): B = 1 1693.8-1737.6 against 1581.4-1584.4 us at 64
-    cached keys, B = 8 2087.9-2112.6 against 1947.5-1958.3 at 264."""
+    cached keys, B = 8 2087.9-2112.6 against 1947.5-1958.3 at 264. MMA_CHUNKS_PER_WARP measured
+    again on one session's buffers (benchmarks/step_variants.py; us a sweep of 512 replays from 8
+    cached keys, float16, B = 1, two runs, 6 against 3 / 4 and against 8 / 12; benchmarks/results/
+    chunks_per_warp-h100.json, chunks_per_warp_fewer-h100.json): GPT-2 small 213.6 against 227.7 /
+    231.5 and 213.7 against 215.5 / 215.3, medium 517.7 against 540.0 / 539.6 and 517.2 against
+    511.2 / 508.7, XL 1582.9 against 1604.7 / 1604.7 (8 / 12): fewer warps gain medium alone (its
+    rows of 1,024 values), at batch 1, by 1.6%; not taken."""
     chunks = _build.cdiv(K, 32)
     kw = min(MMA_NARROW_WARPS, _build.cdiv(chunks, MMA_CHUNKS_PER_WARP))
     if _build.cdiv(chunks, kw) > _MMA_BATCH[1][-1]:  # more than a batch a warp
