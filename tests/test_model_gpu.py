@@ -141,8 +141,9 @@ def test_attention_trips_ahead_keep_the_tokens(small, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_attention_l2_warm_keeps_the_tokens(small, dtype, monkeypatch):
     """The decode step's attention reading part of the MLP down's weight into L2 (chosen at
-    batch 1 for GPT-2 medium and large; here for GPT-2 small) gives each prompt the tokens it
-    gets in a batch, which warms nothing."""
+    batches of up to DECODE_WARM_BATCH for GPT-2 medium and large; here for GPT-2 small) gives
+    each prompt, alone and in a pair, the tokens it gets in a batch of three, which warms
+    nothing."""
     import cupy_kernels as K
     import gpt2_cupy.model as M
 
@@ -164,6 +165,11 @@ def test_attention_l2_warm_keeps_the_tokens(small, dtype, monkeypatch):
     down = model.blocks[0].mlp_proj_w
     assert warmed and set(warmed) == {min(down.nbytes, M.DECODE_WARM_BYTES // 16 * 16)}
     assert alone == batch
+    monkeypatch.setattr(M, "DECODE_WARM_BATCH", 2)
+    warmed.clear()
+    pairs = model.generate(prompts[:2], 40) + model.generate(prompts[1:], 40)
+    assert warmed
+    assert pairs == batch[:2] + batch[1:]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
