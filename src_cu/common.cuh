@@ -79,6 +79,13 @@ __device__ __forceinline__ void store_vec(T* p, const float (&in)[VEC]) {
     }
 }
 
+// The GPU's global timer, in ns (one clock for every SM, unlike clock64()).
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return t;
+}
+
 // ---------------------------------------------------------------------------------------
 // programmatic dependent launch (sm_90): a kernel launched with the programmatic-stream-
 // serialization attribute may start while the kernel before it still runs. It must call

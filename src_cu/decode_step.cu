@@ -119,11 +119,7 @@ struct Trace {
     unsigned long long* at;
     int n;
     __device__ __forceinline__ void mark() {
-        if (at != nullptr && threadIdx.x == 0) {
-            unsigned long long t;
-            asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-            at[n++] = t;
-        }
+        if (at != nullptr && threadIdx.x == 0) at[n++] = global_ns();
     }
 };
 

@@ -65,12 +65,6 @@ __device__ __forceinline__ void block_xor(unsigned acc, unsigned* __restrict__ o
         out[blockIdx.x] = total;
     }
 }
-
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-    return t;
-}
 }  // namespace
 
 __global__ void __launch_bounds__(1024)
