@@ -113,10 +113,12 @@ def main():
                 res = r(9, 40, dtype=dtype)
                 K.linear(xw, ww, bw, residual=res, out=res, stats_out=cp.empty((9, 3, 2), np.float32), tile=tile)
             K.linear(xw[:1], ww, bw, gelu=True)
-            xm, wm = r(3, 3072, dtype=dtype), r(40, 3072, dtype=dtype)  # 12 warps a row (GPT-2 small's MLP down)
-            for tile in K.linear_tiles(dtype):
-                res = r(3, 40, dtype=dtype)
-                K.linear(xm, wm, bw, residual=res, out=res, stats_out=cp.empty((3, 3, 2), np.float32), tile=tile)
+            for Kd in (3072, 1024):  # 12 warps a row (GPT-2 small's MLP down), 4 of 8 chunks (medium's rows)
+                xm, wm = r(3, Kd, dtype=dtype), r(40, Kd, dtype=dtype)
+                for tile in K.linear_tiles(dtype):
+                    res = r(3, 40, dtype=dtype)
+                    K.linear(xm, wm, bw, residual=res, out=res, stats_out=cp.empty((3, 3, 2), np.float32), tile=tile)
+            K.linear(xm[:1], wm, bw, gelu=True, ahead=True)  # (W ahead: blocks of at most 8 warps)
         if dtype != np.float32:  # float logits of a tall weight for 40 rows: W streamed through shared memory
             import importlib     # (by default), and two m-tiles a block (tile=8), the last one partly past N
 

@@ -48,6 +48,16 @@ MMA_MAX_WARPS = 16  # linear.cu
 MMA_NARROW_WARPS = 8  # linear.cu: blocks of two m-tiles, or W ahead (linear_mma_ahead_kernel)
 MMA_RED_STRIDE = 20  # linear.cu's RED_STRIDE
 MMA_CHUNKS_PER_WARP = 6  # chunks of 32 columns a warp takes of each row (see _mma_warps)
+# Warps of a row of K values where a measurement chose other than _mma_warps' rule: {K: warps}.
+# Rows of 1,024 (GPT-2 medium's q|k|v, projection, MLP up and LM head) in 4 warps of one batch
+# of 8 chunks each, against the rule's 6 of 5-6 (H100, us a sweep of 512 replays from 8 cached
+# keys on one session's buffers, benchmarks/results/row_warps-h100.json): GPT-2 medium float16
+# B = 1 503.9 against 514.5, B = 8 587.0 against 599.6, B = 64 1528.0 against 1593.0, bfloat16
+# B = 1 508.3 against 520.4. Fewest warps of one batch each for other widths (large_w12-h100.json,
+# set through MMA_CHUNKS_PER_WARP = 12): large's rows of 1,280 (5 warps against 7) won at B = 1
+# (953.7 against 961.0 us) and B = 64 (3190.8 against 3273.3) but lost at B = 8 (1138.5 against
+# 1103.7); small's 768 (3 against 4) and XL's 1,600 (7 against 8) lost at B = 1 (_mma_warps).
+MMA_ROW_WARPS = {1024: 4}
 # LayerNorm in the product's prologue for up to this many rows of x (each block normalizes
 # them itself); more rows are normalized once by ln_rows_kernel (the same bits).
 LN_PROLOGUE_ROWS = 16
@@ -71,6 +81,7 @@ STREAM_STAGES = 4  # (3, 4, 5 slots: 58.9, 59.7, 60.5 us for the LM head at 64 r
 STREAM_ROWS = 64
 STREAM_MIN_ROWS = 17  # (the kernel computes all 64 rows: at 16, linear_mma_kernel's 2 n-tiles measured as fast)
 STREAM_GROUPS = 4  # warp groups of a block (each KW warps on 16 of the 64 rows of x): blocks of at most 16 warps
+STREAM_CHUNKS = 6  # linear.cu: chunks of 32 columns a warp of linear_mma_stream_kernel takes at most
 STREAM_RED_STRIDE = 24  # linear.cu's: floats a row of x takes in a partial tile
 _STREAM_STATIC_SMEM = 1024  # its static shared memory: the rows' mean, rstd and best (value, index)
 
@@ -240,7 +251,9 @@ def _mma_warps(K: int) -> int:
     chunks_per_warp-h100.json, chunks_per_warp_fewer-h100.json): GPT-2 small 213.6 against 227.7 /
     231.5 and 213.7 against 215.5 / 215.3, medium 517.7 against 540.0 / 539.6 and 517.2 against
     511.2 / 508.7, XL 1582.9 against 1604.7 / 1604.7 (8 / 12): fewer warps gain medium alone (its
-    rows of 1,024 values), at batch 1, by 1.6%; not taken."""
+    rows of 1,024 values), at batch 1, by 1.6%: MMA_ROW_WARPS."""
+    if K in MMA_ROW_WARPS:
+        return MMA_ROW_WARPS[K]
     chunks = _build.cdiv(K, 32)
     kw = min(MMA_NARROW_WARPS, _build.cdiv(chunks, MMA_CHUNKS_PER_WARP))
     if _build.cdiv(chunks, kw) > _MMA_BATCH[1][-1]:  # more than a batch a warp
@@ -504,7 +517,7 @@ def _mma_stream(B: int, N: int, K: int, tile, xin: int, logits: bool, kw: int, s
     """Whether the product runs as linear_mma_stream_kernel: float logits (stored or reduced to
     the argmax) of a tall weight (as _mma_m_tiles) for STREAM_MIN_ROWS to STREAM_ROWS rows of x,
     plain or folded, with no n-tiles asked for, where a block's warps (at most 4 a group, each
-    with at most MMA_CHUNKS_PER_WARP chunks of a row: GPT-2 small's K = 768; wider rows take
+    with at most STREAM_CHUNKS chunks of a row: GPT-2 small's K = 768; wider rows take
     linear_mma_kernel) and its shared memory fit (152 KB at K = 768) and its bias or folded
     constants are 16-byte aligned. Never changes the numbers.
     linear_mma_kernel runs such a product in blocks of 32 rows of W that each read the 64 rows
@@ -530,7 +543,7 @@ def _mma_stream(B: int, N: int, K: int, tile, xin: int, logits: bool, kw: int, s
     tok/s (same run)."""
     return (logits and tile is None and xin in (X_PLAIN, X_LN_FOLD) and STREAM_MIN_ROWS <= B <= STREAM_ROWS
             and _build.cdiv(N, 16) >= MMA_WIDE_BLOCKS * sms and STREAM_GROUPS * kw <= 2 * MMA_NARROW_WARPS
-            and _build.cdiv(_build.cdiv(K, 32), kw) <= MMA_CHUNKS_PER_WARP
+            and _build.cdiv(_build.cdiv(K, 32), kw) <= STREAM_CHUNKS
             and _stream_smem(K, kw, xin == X_LN_FOLD) + _STREAM_STATIC_SMEM <= smem_limit
             and all(a.data.ptr % 16 == 0 for a in consts if a is not None))  # (bias, u, c: 16-byte copies)
 

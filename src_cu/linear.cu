@@ -864,7 +864,7 @@ __global__ void __launch_bounds__(MMA_NARROW_WARPS * 32, 1) linear_mma_ahead_ker
 // rows at a stride 64 bytes past a multiple of 128 (a quarter warp's 16-byte reads of two
 // rows fall in distinct banks), zero past K in the last chunk. The measurements are beside
 // the wrapper's _mma_stream.
-constexpr int STREAM_CHUNKS = 6;  // chunks of 32 columns a warp takes at most (linear.py's MMA_CHUNKS_PER_WARP)
+constexpr int STREAM_CHUNKS = 6;  // chunks of 32 columns a warp takes at most (linear.py's STREAM_CHUNKS)
 constexpr int STREAM_MAX_KW = 4;  // warps a group at most (linear.py's _mma_stream)
 constexpr int STREAM_RED_STRIDE = 24;  // floats a row of x takes in a partial tile: a half warp's 8-byte stores
                                        // of four rows fall in distinct banks (linear.py's STREAM_RED_STRIDE)

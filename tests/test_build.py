@@ -127,7 +127,7 @@ def test_every_tensor_core_launch_shape_is_declared(sms, smem):
             ("float", "store"), ("float", "argmax")]
     for B in [*range(1, 21), 33, 64, 65, 100, 255, 256]:
         for N in (37, 768, 2304, 3072, 4800, 6400, 50257):
-            for K in (8, 72, 768, 776, 1600, 3072, 6400):
+            for K in (8, 72, 768, 776, 1024, 1280, 1600, 3072, 4096, 6400):
                 for tile in (None, *lin.MMA_TILES):
                     for ln, fold in ((False, False), (True, False), (False, True)):
                         for out, epi in epis:
@@ -142,3 +142,20 @@ def test_every_tensor_core_launch_shape_is_declared(sms, smem):
                             assert mt == 1 or logits
                             name = lin._mma_name("__half", out if out == "float" else "__half", nt, u, xin, epi, mt)
                             assert name in declared, (B, N, K, tile, ln, fold, name)
+
+
+def test_linear_constants_mirror_linear_cu():
+    """The wrapper's copies of linear.cu's compile-time constants (block shapes, shared-memory
+    strides, the streamed LM head's chunks a warp) hold the kernel's values."""
+    import importlib
+    import re
+
+    lin = importlib.import_module("cupy_kernels.linear")
+    text = _build.source_text("linear.cu")
+    pairs = {"MMA_MAX_WARPS": "MMA_MAX_WARPS", "MMA_NARROW_WARPS": "MMA_NARROW_WARPS",
+             "MMA_RED_STRIDE": "RED_STRIDE", "STREAM_CHUNKS": "STREAM_CHUNKS",
+             "STREAM_RED_STRIDE": "STREAM_RED_STRIDE"}
+    for py, cu in pairs.items():
+        found = re.findall(rf"constexpr int {cu} = (\d+);", text)
+        assert found == [str(getattr(lin, py))], (py, cu, found)
+

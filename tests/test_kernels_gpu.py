@@ -159,6 +159,8 @@ LINEAR_CASES = [  # (B, N, K, variant): GPT-2 small / XL decode shapes, batches,
     (64, 50257, 768, "logits"), (40, 50241, 72, "ln_logits"), (100, 50257, 768, "ln_logits"),
     # GPT-2 XL's LM head, rows past one n-tile
     (24, 50257, 1600, "logits"),
+    # GPT-2 medium's rows of 1,024 values (4 warps of 8 chunks: MMA_ROW_WARPS), its LM head past 16 rows
+    (1, 3072, 1024, "ln"), (8, 1024, 1024, "residual"), (3, 4096, 1024, "ln_gelu"), (40, 50257, 1024, "logits"),
 ]
 
 
