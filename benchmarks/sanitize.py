@@ -68,6 +68,9 @@ def main():
             for keys in (None, 40):
                 K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32), split_keys=keys,
                                    warm=r(333, 8, dtype=np.float16), warm_blocks=7)
+                # the cache's rows requested into L2 before the wait (positions: past the cache too)
+                K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32), split_keys=keys,
+                                   prefetch=cp.asarray([0, T + 50], dtype=np.int32))
             for kv in ("int8", "fp8"):  # quantized caches, GQA (4 query heads per KV head), ALiBi, splits
                 storage = K.kv_storage_dtype(kv, dtype)
                 kq, vq = cp.empty((2, 2, T + 5, D), storage), cp.empty((2, 2, T + 5, D), storage)

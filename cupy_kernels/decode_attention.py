@@ -199,7 +199,7 @@ def _or_null(*arrays):
 def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=None, alibi_slopes=None,
                      scale: float | None = None, num_splits: int | None = None, split_keys: int | None = None,
                      threads: int | None = None, merge: str = "last-block", appended=None, ahead: int = 1,
-                     warm=None, warm_blocks: int = WARM_BLOCKS, out=None) -> cupy.ndarray:
+                     warm=None, warm_blocks: int = WARM_BLOCKS, prefetch=None, out=None) -> cupy.ndarray:
     """``softmax(q . K[:len] * scale + alibi) V[:len]`` for each sequence and query head.
 
     q: [B, H, D], contiguous over (H, D) (a row of the fused qkv buffer qualifies; the batch
@@ -235,6 +235,10 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     weight a later kernel reads): ``warm_blocks`` extra blocks read its bytes into L2 once the
     kernel ahead has finished (a bounded number of bytes in flight: 8 16-byte words a thread),
     and the kernel ends once they are done; it changes no number.
+    prefetch: None, or int32 [B], the cache row the kernel ahead appends for each sequence (a
+    decode step's positions: seq_lens is then that row + 1): before its wait, each block
+    requests its chunk's rows below that row into L2, so that its loop finds them there; it
+    changes no number (a wrong position only costs bytes).
     Returns [B, H, D] in q's dtype.
     """
     q = _checks.float_array(q, "q", ndim=3, contiguous=False)
@@ -255,6 +259,9 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
     k_scale, v_scale = check_scales(quantized, k_cache, k_scale, v_scale)
     seq_lens = _checks.int_array(seq_lens, "seq_lens", ndim=1)
     _checks.check_shape(seq_lens, "seq_lens", (B,))
+    if prefetch is not None:
+        prefetch = _checks.int_array(prefetch, "prefetch", ndim=1)
+        _checks.check_shape(prefetch, "prefetch", (B,))
     if alibi_slopes is not None:
         alibi_slopes = _checks.as_array(alibi_slopes, "alibi_slopes")
         if alibi_slopes.dtype != numpy.float32 or not alibi_slopes.flags.c_contiguous:
@@ -334,7 +341,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, k_scale=None, v_scale=Non
           *_or_null(k_scale, v_scale), seq_lens,
           *_or_null(alibi_slopes),
           i32(H), i32(H_kv), i32(S_max), i64(q.strides[0] // item), f32(scale), i32(split_keys or 0),
-          warm if warm_words else 0, i64(warm_words), i32(extra)))
+          warm if warm_words else 0, i64(warm_words), i32(extra), *_or_null(prefetch)))
     if splits > 1 and merge == "kernel":
         merge_kern = _build.kernel(_SRC, _merge_name(_build.ctype(q.dtype), D))
         merge_kern((B * H,), (D,), (out, part_o, part_lse, i32(B * H), i32(splits)))

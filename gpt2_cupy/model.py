@@ -128,6 +128,16 @@ DECODE_WARM_BYTES = 5_000_000
 # us a sweep without / with the warm-up (warm_batch-h100.json): medium 546.7 / 528.3 and 558.6
 # / 557.5, large 1010.8 / 983.3 and 1012.1 / 1091.8.
 DECODE_WARM_BATCH = 2
+# KV rows into L2 ahead of the decode step's attention (decode_attention's prefetch=): for 16-bit
+# models of these widths at batches from 2 to DECODE_PREFETCH_BATCH, each attention block requests
+# its chunk's older rows into L2 before it waits for the q|k|v product. On an H100 (float16, us a
+# sweep of 512 replays from 8 cached keys on one session's buffers, without / with;
+# benchmarks/results/kv_prefetch-h100.json, kv_prefetch_batches-h100.json): GPT-2 small B = 2
+# 220.2 / 217.5, B = 4 232.4 / 227.8, B = 8 254.3 / 247.4, B = 16 329.6 / 324.0; it lost or did
+# nothing elsewhere: small B = 1 213.5 / 213.5, B = 64 615.0 / 643.6, medium B = 8 587.5 / 591.0,
+# XL B = 1 1608.9 / 1613.8, B = 8 1983.7 / 2026.3. The same numbers either way.
+DECODE_PREFETCH_WIDTHS = (768,)
+DECODE_PREFETCH_BATCH = 16
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -504,6 +514,8 @@ class GPT2:
                 and self.dtype != numpy.float32 and cache.k.dtype == self.dtype)
         ahead = AHEAD_DEEP if deep else 1
         stats = buf.stats if self.folded else None  # [B, C / 16, 2]: of the residual stream buf.x
+        prefetch = cache.positions if (2 <= B <= DECODE_PREFETCH_BATCH and C in DECODE_PREFETCH_WIDTHS
+                                       and self.dtype != numpy.float32) else None
 
         def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm
             return dict(ln_fold=(stats, u, c, eps)) if folded else dict(bias=b, ln=ln)
@@ -529,7 +541,7 @@ class GPT2:
                     appended = None
                 K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, split_keys=split_keys,
                                    threads=threads, appended=appended, ahead=ahead, out=buf.att,
-                                   warm=self._decode_warm(blk, B), **cache.layer(i))
+                                   warm=self._decode_warm(blk, B), prefetch=prefetch, **cache.layer(i))
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x,
                          stats_out=stats)
                 K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f,

@@ -37,6 +37,8 @@
 // `warm` (a weight a later kernel of the decode step reads) into L2, with a bounded number of
 // bytes in flight (warm_l2), and exit (their copies along y and z return at once). They let the
 // next kernel start at once; the next kernel's wait covers them, as it covers the attention.
+// prefetch (the decode step's cache positions, or nullptr): each block requests its chunk's
+// older rows into L2 before its wait (attend, decode_attention.cuh).
 // Bytes: the K and V rows of each sequence once (2 len D sizeof(KT) per KV head, + scales),
 // and 16 warm_words; FLOPs 4 len D per query head.
 //
@@ -80,7 +82,7 @@ __global__ void __launch_bounds__(THREADS)
                             const float* __restrict__ v_scale, const int* __restrict__ seq_lens,
                             const float* __restrict__ alibi, int H, int H_kv, int S_max, long long q_sb,
                             float scale, int chunk_keys, const uint4* __restrict__ warm, long long warm_words,
-                            int warm_blocks) {
+                            int warm_blocks, const int* __restrict__ prefetch) {
     const int groups = gridDim.x - warm_blocks;  // the attention's blocks along x
     if (static_cast<int>(blockIdx.x) >= groups) {  // an L2 warm-up block (the wrapper's warm=)
         griddep_launch_dependents();  // it holds nothing the next kernel reads
@@ -95,7 +97,8 @@ __global__ void __launch_bounds__(THREADS)
     attend<T, KT, D, QPB, THREADS, 1, false, false, true, AHEAD>(out, part_o, part_lse, q, k_cache, v_cache,
                                                                  k_scale, v_scale, seq_lens, alibi, H, H_kv, S_max,
                                                                  q_sb, scale, blockIdx.x, b, blockIdx.z, splits,
-                                                                 gridDim.y, chunk_keys, threadIdx.x, 0, k_new, v_new);
+                                                                 gridDim.y, chunk_keys, threadIdx.x, 0, k_new, v_new,
+                                                                 prefetch);
     if (splits == 1 || counters == nullptr) return;
     constexpr int TILE = attention_tile<KT, D, THREADS>();
     const int len = seq_lens[b];

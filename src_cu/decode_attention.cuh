@@ -172,6 +172,16 @@ __device__ __forceinline__ int chunk_length(int len, int splits, int chunk_keys,
 // 296.2 against 225.3 / 234.8 / 260.8 / 294.6, B = 8 243.6 / 272.7 / 318.5 / 366.2 against
 // 243.2 / 268.7 / 317.7 / 364.3; GPT-2 XL B = 1 1607.3 / 1637.6 / 1766.1 / 1869.8 against
 // 1606.5 / 1624.7 / 1738.6 / 1859.5.
+// prefetch (PRE_WAIT, or nullptr): the cache positions of the step (the row this step appends
+// for each sequence; only the step's last kernel moves them on). Before the wait, the block's
+// threads request its chunk's rows past the first trip and below that row into L2
+// (prefetch.global.L2: no registers, no number changes), so that the loop's loads find them
+// there. H100, float16, us a sweep of 512 replays from 8 cached keys on one session's buffers
+// (benchmarks/results/kv_prefetch-h100.json, kv_prefetch_batches-h100.json), without / with:
+// GPT-2 small B = 2 220.2 / 217.5, B = 4 232.4 / 227.8, B = 8 254.3 / 247.4, B = 16 329.6 /
+// 324.0, but B = 1 213.5 / 213.5 and B = 64 615.0 / 643.6; medium B = 8 587.5 / 591.0, XL B = 1
+// 1608.9 / 1613.8 and B = 8 1983.7 / 2026.3; GPT-2 small float32 B = 8 1184.6 / 1183.9. The decode
+// step takes it where it won (gpt2_cupy/model.py, DECODE_PREFETCH_WIDTHS).
 // Every chunk's rows requested before the wait, the length taken from the positions (which only
 // the step's last kernel advances) instead of seq_lens, did not pay (same bits; branch
 // attention-known-lengths, benchmarks/results/attention_known_lengths-h100.log, us a step at 264
@@ -186,7 +196,8 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
                                        const float* __restrict__ alibi, int H, int H_kv, int S_max, long long q_sb,
                                        float scale, int bx, int b, int split, int splits, int batch,
                                        int chunk_keys, int tid = threadIdx.x, int part = 0,
-                                       const KT* __restrict__ k_new = nullptr, const KT* __restrict__ v_new = nullptr) {
+                                       const KT* __restrict__ k_new = nullptr, const KT* __restrict__ v_new = nullptr,
+                                       const int* __restrict__ prefetch = nullptr) {
     using Fmt = KvFormat<KT>;
     constexpr int VEC = KvVec<KT>::N;
     constexpr int G = D / VEC;  // lanes per key row
@@ -266,6 +277,19 @@ __device__ __forceinline__ void attend(T* __restrict__ out, float* __restrict__ 
     KvVec<KT> k_fresh, v_fresh;  // k_new / v_new: this lane's slice of the appended row
     const bool fresh = PRE_WAIT && k_new != nullptr && early;
     if constexpr (PRE_WAIT) {
+        if (prefetch != nullptr) {  // rows [first, last): written in earlier steps, so readable before the wait
+            const int len_now = prefetch[b] + 1, chunk_now = chunk_length(len_now, splits, chunk_keys, TILE);
+            const int first = split * chunk_now + (early ? TILE : 0);
+            const int last = min(min(len_now - 1, (split + 1) * chunk_now), S_max);
+            constexpr int ROW_BYTES = D * static_cast<int>(sizeof(KT)), LINES = (ROW_BYTES + 127) / 128;
+            const char* kb = reinterpret_cast<const char*>(k_cache + row0 * D);
+            const char* vb = reinterpret_cast<const char*>(v_cache + row0 * D);
+            for (int i = tid; i < (last - first) * LINES; i += THREADS) {  // a 128-byte line each
+                const long long at = static_cast<long long>(first + i / LINES) * ROW_BYTES + (i % LINES) * 128;
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(kb + at));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(vb + at));
+            }
+        }
         griddep_wait();  // q, seq_lens and the appended row: the previous kernel's work
         // The next kernel may start now: its weights stream in during the attention. They slow
         // the attention's row loads (the attention projection's blocks held back until the

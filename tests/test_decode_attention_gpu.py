@@ -215,6 +215,36 @@ def test_decode_attention_warm_keeps_the_bits(dtype, threads, split_keys, ahead,
         assert not _COUNTERS or all(int(c.sum()) == 0 for c in _COUNTERS.values())
 
 
+@pytest.mark.parametrize("kv", ["plain", "int8"])
+@pytest.mark.parametrize("threads,split_keys,ahead", [(128, None, 1), (128, 40, 1), (512, 1000, 1), (128, 40, 4)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_prefetch_keeps_the_bits(dtype, threads, split_keys, ahead, kv):
+    """The cache rows requested into L2 before the wait (prefetch=, the positions of a decode
+    step: each sequence's length - 1) leave the output's bits and the merge's counters as they
+    were; so do positions that are not the lengths' (past the cache, negative, zero)."""
+    if ahead != 1 and (dtype == np.float32 or kv != "plain"):
+        pytest.skip("trips ahead take 16-bit caches in q's dtype")
+    if threads == 512 and kv != "plain":
+        pytest.skip("512 threads take a cache in q's dtype")
+    rng = np.random.default_rng(threads + (split_keys or 0) + ahead)
+    H, D = 12, 64
+    for lens in ([300], [1, 7, 1000, 130]):
+        B, S = len(lens), max(lens) + 3
+        cache, k_host, v_host = build_cache(rng, B, H, S, D, lens, dtype, KV[kv])
+        q, qh = rand(rng, (B, H, D), dtype)
+        args = dict(seq_lens=cp.asarray(np.array(lens, dtype=np.int32)), split_keys=split_keys, threads=threads,
+                    ahead=ahead, **cache)
+        plain = poisoned((B, H, D), dtype)
+        K.decode_attention(q, out=plain, **args)
+        if kv == "plain":
+            check(plain, ref.decode_attention(qh, k_host, v_host, lens), dtype)
+        for positions in (np.array(lens) - 1, np.full(B, S + 100), np.full(B, -5), np.zeros(B)):
+            out = poisoned((B, H, D), dtype)
+            K.decode_attention(q, out=out, prefetch=cp.asarray(positions.astype(np.int32)), **args)
+            assert cp.array_equal(out.view(cp.uint8), plain.view(cp.uint8)), (lens, positions)
+        assert not _COUNTERS or all(int(c.sum()) == 0 for c in _COUNTERS.values())
+
+
 @pytest.mark.parametrize("threads", [128, 512])
 @pytest.mark.parametrize("qpb", [1, 2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -366,6 +396,10 @@ def test_decode_attention_bad_inputs_raise():
     for blocks in (0, 1025, 2.0, True):
         with pytest.raises(ValueError, match="warm_blocks"):
             K.decode_attention(q, kc, kc, seq, warm=w, warm_blocks=blocks)
+    with pytest.raises(TypeError, match="prefetch must be int32"):
+        K.decode_attention(q, kc, kc, seq, prefetch=cp.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="prefetch"):
+        K.decode_attention(q, kc, kc, seq, prefetch=cp.zeros(3, np.int32))
     q32, k32 = cp.zeros((2, 8, 64), np.float32), cp.zeros((2, 8, 16, 64), np.float32)
     with pytest.raises(ValueError, match="float16 or bfloat16 cache"):
         K.decode_attention(q32, k32, k32, seq, ahead=4)
