@@ -129,15 +129,17 @@ DECODE_WARM_BYTES = 5_000_000
 # / 557.5, large 1010.8 / 983.3 and 1012.1 / 1091.8.
 DECODE_WARM_BATCH = 2
 # KV rows into L2 ahead of the decode step's attention (decode_attention's prefetch=): for 16-bit
-# models of these widths at batches from 2 to DECODE_PREFETCH_BATCH, each attention block requests
-# its chunk's older rows into L2 before it waits for the q|k|v product. On an H100 (float16, us a
-# sweep of 512 replays from 8 cached keys on one session's buffers, without / with;
-# benchmarks/results/kv_prefetch-h100.json, kv_prefetch_batches-h100.json): GPT-2 small B = 2
-# 220.2 / 217.5, B = 4 232.4 / 227.8, B = 8 254.3 / 247.4, B = 16 329.6 / 324.0; it lost or did
-# nothing elsewhere: small B = 1 213.5 / 213.5, B = 64 615.0 / 643.6, medium B = 8 587.5 / 591.0,
-# XL B = 1 1608.9 / 1613.8, B = 8 1983.7 / 2026.3. The same numbers either way.
-DECODE_PREFETCH_WIDTHS = (768,)
-DECODE_PREFETCH_BATCH = 16
+# models of a width in DECODE_PREFETCH_BATCHES, at batches from 2 to the width's entry, each
+# attention block requests its chunk's older rows into L2 before it waits for the q|k|v product.
+# On an H100 (float16, us a sweep of 512 replays from 8 cached keys on one session's buffers,
+# without / with; benchmarks/results/kv_prefetch-h100.json, kv_prefetch_batches-h100.json,
+# kv_prefetch_sizes-h100.json): GPT-2 small B = 2 220.2 / 217.5, B = 4 232.4 / 227.8, B = 8
+# 254.3 / 247.4, B = 16 329.6 / 324.0; medium B = 2 529.3 / 524.6, B = 4 553.1 / 544.0 (as taken,
+# kv_prefetch_medium-h100.json: 535.7 / 528.3, 545.7 / 536.9, bfloat16 B = 4 555.4 / 546.8). It lost or
+# did nothing elsewhere: small B = 1 213.5 / 213.5, B = 32 427.6 / 434.0, B = 64 615.0 / 643.6;
+# medium B = 8 587.5 / 591.0; large B = 2 983.1 / 978.6 (0.5%), B = 4 1030.7 / 1032.7; XL B = 1
+# 1608.9 / 1613.8, B = 8 1983.7 / 2026.3. The same numbers either way.
+DECODE_PREFETCH_BATCHES = {768: 16, 1024: 4}
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -514,7 +516,7 @@ class GPT2:
                 and self.dtype != numpy.float32 and cache.k.dtype == self.dtype)
         ahead = AHEAD_DEEP if deep else 1
         stats = buf.stats if self.folded else None  # [B, C / 16, 2]: of the residual stream buf.x
-        prefetch = cache.positions if (2 <= B <= DECODE_PREFETCH_BATCH and C in DECODE_PREFETCH_WIDTHS
+        prefetch = cache.positions if (2 <= B <= DECODE_PREFETCH_BATCHES.get(C, 0)
                                        and self.dtype != numpy.float32) else None
 
         def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm

@@ -177,11 +177,13 @@ __device__ __forceinline__ int chunk_length(int len, int splits, int chunk_keys,
 // threads request its chunk's rows past the first trip and below that row into L2
 // (prefetch.global.L2: no registers, no number changes), so that the loop's loads find them
 // there. H100, float16, us a sweep of 512 replays from 8 cached keys on one session's buffers
-// (benchmarks/results/kv_prefetch-h100.json, kv_prefetch_batches-h100.json), without / with:
+// (benchmarks/results/kv_prefetch-h100.json, kv_prefetch_batches-h100.json, kv_prefetch_sizes-
+// h100.json), without / with:
 // GPT-2 small B = 2 220.2 / 217.5, B = 4 232.4 / 227.8, B = 8 254.3 / 247.4, B = 16 329.6 /
-// 324.0, but B = 1 213.5 / 213.5 and B = 64 615.0 / 643.6; medium B = 8 587.5 / 591.0, XL B = 1
+// 324.0, but B = 1 213.5 / 213.5, B = 32 427.6 / 434.0 and B = 64 615.0 / 643.6; medium B = 2
+// 529.3 / 524.6, B = 4 553.1 / 544.0, B = 8 587.5 / 591.0; large B = 2 983.1 / 978.6; XL B = 1
 // 1608.9 / 1613.8 and B = 8 1983.7 / 2026.3; GPT-2 small float32 B = 8 1184.6 / 1183.9. The decode
-// step takes it where it won (gpt2_cupy/model.py, DECODE_PREFETCH_WIDTHS).
+// step takes it where it won (gpt2_cupy/model.py, DECODE_PREFETCH_BATCHES).
 // Every chunk's rows requested before the wait, the length taken from the positions (which only
 // the step's last kernel advances) instead of seq_lens, did not pay (same bits; branch
 // attention-known-lengths, benchmarks/results/attention_known_lengths-h100.log, us a step at 264
