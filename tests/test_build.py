@@ -158,4 +158,3 @@ def test_linear_constants_mirror_linear_cu():
     for py, cu in pairs.items():
         found = re.findall(rf"constexpr int {cu} = (\d+);", text)
         assert found == [str(getattr(lin, py))], (py, cu, found)
-
