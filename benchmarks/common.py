@@ -44,14 +44,27 @@ def banner() -> str:
 
 
 class _L2Flush:
-    """Overwrites a buffer twice the L2 size, so a timed run starts with a cold cache."""
+    """Reads a buffer twice the L2 size, so a timed run starts with a cold cache of clean
+    lines: the kernel's reads evict nothing that must be written back (the decode step's
+    weights and KV rows evict other weights). Overwriting the buffer instead (``dirty``) leaves
+    the L2 full of dirty lines, which the timed kernel writes back as its reads evict them: on
+    an H100 GPT-2 XL's LM head took 66.5 us after the writes and 59.1 after the reads, GPT-2
+    small's q|k|v 7.20 and 6.38, cuBLAS's XL LM head 78.9 and 69.7 (benchmarks/l2_flush.py,
+    benchmarks/results/l2_flush-h100.json). A kernel that writes as many bytes as it reads
+    leaves up to the L2's size of them in L2 when the timer stops, unwritten, which the dirty
+    flush makes up for by about as many writebacks: benchmarks/kernels.py flushes dirty."""
 
-    def __init__(self):
+    def __init__(self, dirty: bool = False):
         l2 = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"]
-        self.buf = cupy.empty(2 * l2 // 4, dtype=cupy.float32)
+        self.buf = cupy.ones(2 * l2 // 4, dtype=cupy.float32)  # written once, here
+        self.out = cupy.empty((), dtype=cupy.float32)
+        self.dirty = dirty
 
     def __call__(self):
-        self.buf.fill(0)
+        if self.dirty:
+            self.buf.fill(0)
+        else:
+            cupy.sum(self.buf, out=self.out)
 
 
 def _spin(us: float) -> None:
@@ -63,15 +76,17 @@ def _spin(us: float) -> None:
     torch.cuda._sleep(int(us * clock_khz / 1e3))
 
 
-def time_gpu(fn, *, warmup: int = 3, reps: int = 20, cold_l2: bool = True, hide_launch: bool = True) -> dict:
+def time_gpu(fn, *, warmup: int = 3, reps: int = 20, cold_l2: bool = True, dirty: bool = False,
+             hide_launch: bool = True) -> dict:
     """Median and spread (min, max) in microseconds of ``fn()`` timed with CUDA events.
 
-    cold_l2: overwrite a buffer twice the L2 size before each run. hide_launch: queue
-    ``fn`` behind a 300 us sleep kernel, so that the time is the GPU's, not the host's
+    cold_l2: read a buffer twice the L2 size before each run (_L2Flush; ``dirty``: overwrite
+    it, leaving dirty lines for the run to write back). hide_launch: queue
+    ``fn`` behind a 1 ms sleep kernel, so that the time is the GPU's, not the host's
     launch cost (which a CUDA graph removes in real use, and which differs between
     CuPy and torch). Everything runs on the legacy default stream, shared by both.
     """
-    flush = _L2Flush() if cold_l2 else None
+    flush = _L2Flush(dirty) if cold_l2 else None
     for _ in range(warmup):
         fn()
     times = []
@@ -80,7 +95,7 @@ def time_gpu(fn, *, warmup: int = 3, reps: int = 20, cold_l2: bool = True, hide_
         if flush:
             flush()
         if hide_launch:
-            _spin(300)
+            _spin(1000)  # (300 us: a run's host once took longer to queue fn, GPT-2 XL's MLP down)
         start.record()
         fn()
         stop.record()
