@@ -208,8 +208,9 @@ def test_packed_prefill_equals_each_prompt_alone(small, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_recorded_prefill_replays_the_forward(small, dtype, monkeypatch):
     """A short prefill into a cache is recorded once per (prompt lengths, cache rows) and
-    replayed with new token ids: the cache and the last residuals get exactly the bits of
-    the forward run launch by launch; the cache keeps its PLANS most recent records."""
+    replayed with new token ids, launch by launch or, on a stream of its own, as a CUDA graph:
+    the cache and the last residuals get exactly the bits of the forward run launch by launch;
+    the cache keeps its PLANS most recent records."""
     import gpt2_cupy.model as M
 
     hf, _ = small
@@ -248,6 +249,18 @@ def test_recorded_prefill_replays_the_forward(small, dtype, monkeypatch):
     run(cache, third, [0, 1])  # other rows: a record of its own
     run(cache, third[:1] + second[1:], [2, 1])
     assert list(cache.plans) == [((3, 17), (0, 1)), ((3, 17), (2, 1))]  # the first record dropped
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:  # on a stream of its own the record runs as a CUDA graph, captured the first time
+        graphed = fresh()
+        run(graphed, first, [2, 0])  # recorded, captured and run
+        graphed.k.fill(0)
+        graphed.v.fill(0)
+        last = run(graphed, second, [2, 0])  # the graph, with the second prompts' ids
+        stream.synchronize()
+    ((*_, graph),) = graphed.plans.values()
+    assert graph is not None
+    assert cp.array_equal(last, eager_last)
+    assert cp.array_equal(graphed.k, eager.k) and cp.array_equal(graphed.v, eager.v)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
