@@ -728,9 +728,6 @@ class GPT2:
         return seqs
 
 
-# -------------------------------------------------------------------------------------
-# input checks: on the host, before anything is launched
-# -------------------------------------------------------------------------------------
 def _capture(plan: _build.Plan, stream: cupy.cuda.Stream):
     """``plan`` as a CUDA graph captured on ``stream``, with programmatic dependent launch where
     this process supports it."""
@@ -742,6 +739,9 @@ def _capture(plan: _build.Plan, stream: cupy.cuda.Stream):
     return graph
 
 
+# -------------------------------------------------------------------------------------
+# input checks: on the host, before anything is launched
+# -------------------------------------------------------------------------------------
 def check_budgets(rows, max_new_tokens) -> list[int]:
     """New tokens per prompt: ``max_new_tokens`` (an int for all, or one int per prompt)."""
     if isinstance(max_new_tokens, (list, tuple)):
