@@ -134,10 +134,8 @@ def main():
     for name, plan in plans.items():
         with main_stream:
             plan.replay()
-            main_stream.synchronize()
-            main_stream.begin_capture()
-            plan.replay(pdl=True)
-            graphs[name] = main_stream.end_capture()
+        main_stream.synchronize()
+        graphs[name] = _build.capture(main_stream, plan, pdl=True)
 
     def hog_us(rounds: int) -> float:
         with hog_stream:

@@ -188,6 +188,19 @@ class Plan(list):
                 launch.kernel(launch.grid, launch.block, launch.args, shared_mem=launch.shared_mem)
 
 
+def capture(stream, *plans: Plan, pdl: bool = False):
+    """The launches of ``plans``, in order, as a CUDA graph captured on ``stream`` (not the
+    legacy stream), with programmatic dependent launch where ``pdl`` (Plan.replay)."""
+    stream.begin_capture()
+    try:
+        with stream:
+            for plan in plans:
+                plan.replay(pdl=pdl)
+    finally:
+        graph = stream.end_capture()
+    return graph
+
+
 class _Recorder:
     def __init__(self, kern, plan: Plan, pdl: bool, cooperative: bool = False):
         self.raw, self._plan, self._pdl, self._cooperative = kern, plan, pdl, cooperative

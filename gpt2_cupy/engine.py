@@ -136,15 +136,7 @@ class Session:
         """The decode step (and ``publish_tokens``) as a CUDA graph on the session's stream,
         with programmatic dependent launch where ``pdl``."""
         self.stream.synchronize()
-        self.stream.begin_capture()
-        try:
-            with self.stream:
-                self.step.replay(pdl=pdl)
-                if publish:
-                    self.publish.replay(pdl=pdl)
-        finally:
-            graph = self.stream.end_capture()
-        return graph
+        return _build.capture(self.stream, self.step, *([self.publish] if publish else []), pdl=pdl)
 
     def rows_head(self, k: int):
         """(buffers of batch_bucket(k) rows, the LM head recorded on them): the first tokens

@@ -412,7 +412,7 @@ class GPT2:
             ids_dev.set(ids)
             stream = cupy.cuda.get_current_stream()
             if graph is None and PREFILL_GRAPH and stream.ptr != 0:  # (the legacy stream cannot be captured)
-                entry[5] = graph = _capture(plan, stream)
+                entry[5] = graph = _build.capture(stream, plan, pdl=_build.pdl_supported())
             if graph is not None:
                 graph.launch(stream)
             else:
@@ -726,17 +726,6 @@ class GPT2:
                                            stop=stop, progress=show):
             seqs[p].append(t)
         return seqs
-
-
-def _capture(plan: _build.Plan, stream: cupy.cuda.Stream):
-    """``plan`` as a CUDA graph captured on ``stream``, with programmatic dependent launch where
-    this process supports it."""
-    stream.begin_capture()
-    try:
-        plan.replay(pdl=_build.pdl_supported())
-    finally:
-        graph = stream.end_capture()
-    return graph
 
 
 # -------------------------------------------------------------------------------------
