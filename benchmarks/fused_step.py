@@ -5,6 +5,8 @@ kernel-by-kernel step, batch 1, float16, each replayed as a CUDA graph.
 
 us a step (CUDA events around 50 replays, median of 5, the cache holding 264 and 520 rows:
 garbage rows, timing only), against the floor (weight bytes / copy bandwidth of the run).
+``--trace``: where the fused step's time goes, per phase, and what bounds its weight ring
+(ring_use: whether the consumers wait for weights or the producer for free slots).
 Writes benchmarks/results/fused_step-<device>.json.
 """
 
@@ -48,7 +50,7 @@ def timeline(model, length: int) -> list[dict]:
     arrival to the release), its prologue (LayerNorm statistics and x into shared
     memory) and its tiles, medians over blocks and layers; and the phase's span (release to
     the next release, median over blocks), us."""
-    from cupy_kernels.decode_step import trace_marks
+    from cupy_kernels.decode_step import STAGE_TRACE, ring_stages, trace_marks, trace_stages
     from gpt2_cupy.engine import Session
 
     cfg = model.config
@@ -60,7 +62,9 @@ def timeline(model, length: int) -> list[dict]:
         with s.stream:
             model.fused_step_launch(s.cache, s.buf, trace=trace)
         s.stream.synchronize()
-    t = trace.get().astype(np.int64) / 1e3  # us
+    raw = trace.get().astype(np.int64)
+    ring = ring_use(trace_stages(raw, cfg.n_layer), ring_stages())
+    t = raw[:, :-4 * STAGE_TRACE] / 1e3  # us (the marks)
     t -= t.min()
     per = {name: {"wait_us": [], "prologue_us": [], "tiles_us": [], "span_us": []} for name in PHASES + ("lm_head",)}
     i, prev_done = 1, t[:, 0]
@@ -87,8 +91,35 @@ def timeline(model, length: int) -> list[dict]:
         rows.append({"phase": name, "count": len(d["span_us"]),
                      **{k: round(float(np.mean(v)), 2) for k, v in d.items() if v}})
     rows.append({"phase": "step", "span_us": round(float(releases[-1][1] - np.median(t[:, 0])), 2)})
+    rows.append({"phase": "ring", **ring})
     model._engine = None
     return rows
+
+
+def ring_use(st: np.ndarray, slots: int) -> dict:
+    """What bounds the weight ring, from its stage times [blocks, 4, k] (issued, wanted, had,
+    freed; ns; 0 = no such stage): medians over blocks of the time a block's consumers waited
+    for weights (had - wanted, summed), the time its producer waited for a full ring to free a
+    slot (the gaps before issues that came within 0.5 us of the release of the slot they
+    reuse, summed), how long a stage sat in the ring before it was wanted, and how long the
+    consumers took over one (had to freed)."""
+    waits, blocked, lead, use, stages = [], [], [], [], []
+    for issued, wanted, had, freed in st:
+        n = int(np.count_nonzero(freed))
+        if n < 2 or np.count_nonzero(issued[:n]) < n:
+            continue
+        issued, wanted, had, freed = (a[:n] / 1e3 for a in (issued, wanted, had, freed))
+        gated = np.zeros(n, bool)
+        gated[slots:] = issued[slots:] - freed[:-slots] < 0.5
+        stages.append(n)
+        waits.append(np.sum(had - wanted))
+        blocked.append(np.sum(np.diff(issued)[gated[1:]]))
+        lead.append(np.median(wanted - issued))
+        use.append(np.median(freed - had))
+    return {"slots": slots, "stages_per_block": int(np.median(stages)),
+            "consumers_wait_us": round(float(np.median(waits)), 1),
+            "producer_full_ring_us": round(float(np.median(blocked)), 1),
+            "stage_lead_us": round(float(np.median(lead)), 2), "stage_use_us": round(float(np.median(use)), 2)}
 
 
 def main():

@@ -34,11 +34,21 @@ _HALVES = [c for c in _build.CTYPES.values() if c != "float"]
 _build.declare(_SRC, [f"decode_step_kernel<{c}, {a}>" for c in _HALVES for a in ATTENTION_THREADS], cooperative=True)
 
 
-def trace_marks(n_layer: int) -> int:
-    """Marks of the step's timeline (``trace=``) for a model of ``n_layer`` blocks: one at the
-    start, TRACE_MARKS_PER_LAYER a block, three for the LM head, one at the end."""
-    return 1 + TRACE_MARKS_PER_LAYER * n_layer + 3 + 1
+STAGE_TRACE = 1536  # decode_step.cu: ring stages a block traces
 
+
+def trace_marks(n_layer: int) -> int:
+    """Columns of the step's timeline (``trace=``) for a model of ``n_layer`` blocks: a mark at
+    the start, TRACE_MARKS_PER_LAYER a block, three for the LM head, one at the end; then four
+    times STAGE_TRACE for the block's first ring stages (trace_stages)."""
+    return 1 + TRACE_MARKS_PER_LAYER * n_layer + 3 + 1 + 4 * STAGE_TRACE
+
+
+def trace_stages(trace, n_layer: int):
+    """The ring-stage part of a timeline: [blocks, 4, STAGE_TRACE] global times (ns) at which
+    the producer issued stage k (its slot free), the consumers asked for it, had it, and freed
+    it; 0 past the block's last stage."""
+    return trace[:, trace_marks(n_layer) - 4 * STAGE_TRACE:].reshape(trace.shape[0], 4, STAGE_TRACE)
 
 def _name(dtype, attention_threads: int) -> str:
     return f"decode_step_kernel<{_build.ctype(dtype)}, {attention_threads}>"

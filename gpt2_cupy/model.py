@@ -246,8 +246,8 @@ class GPT2:
         self._engine = None
         # True: greedy decoding of one sequence in a 16-bit model runs as one persistent kernel
         # (record_step, cupy_kernels.decode_step), with the same numbers as the kernel-by-kernel
-        # step. Off by default: it is slower so far (H100, float16, CUDA graph: GPT-2 small 386
-        # against 251 us a step; benchmarks/results/fused_step-h100.json)
+        # step. Off by default: it is slower so far (H100, float16, CUDA graph: GPT-2 small 472
+        # against 217 us a step at 264 cached keys; benchmarks/results/fused_step-h100.json)
         self.fused_step = False
         if self.wte.shape != (config.vocab_size, C):
             raise ValueError(f"wte has shape {self.wte.shape}, expected {(config.vocab_size, C)}")

@@ -41,14 +41,17 @@
 // ~2^26 polls traps (an error, not a hang).
 //
 // Measured (H100, float16, the step in a CUDA graph; benchmarks/results/fused_step-h100.json,
-// with a timeline of each phase from the global timer, benchmarks/fused_step.py --trace):
-// GPT-2 small 417-421 us a step against 251-255 for the kernel-by-kernel step with
-// programmatic launch (runs of this session: 377-417), GPT-2 XL 2413-2451 against 1894-1911
-// (the weights in registers instead of the ring: 2804-2860). Each phase costs about 4-6 us
-// of latency however little it reads: GPT-2 small's MLP down, 48 tiles on 48 SMs already in
-// shared memory, spans 6.0 us; the barrier (fences, 132 arrivals on one counter, the poll),
-// the L2 round trips of x, the statistics and the epilogue chain one after another. On XL
-// the ring (204 KiB an SM) is smaller than what a block streams during those bubbles.
+// with a timeline of each phase and each ring stage from the global timer,
+// benchmarks/fused_step.py --trace): GPT-2 small 471.6-474.0 us a step against 216.9-242.3 for
+// the kernel-by-kernel step with programmatic launch, GPT-2 XL 2691.0-2716.8 against
+// 1609.6-1696.5 (an earlier form: small 417-421 against 251-255, XL 2413-2451 against
+// 1894-1911; the weights in registers instead of the ring: 2804-2860). The ring is not the
+// bound: on XL the consumers waited for a stage 59.2 us of the step, the producer for a free
+// slot 1934.8 us, and a stage sat full 12.3 us before it was asked for. The consumers' chain
+// is: each phase costs 5-13.5 us (GPT-2 small's MLP down, 48 tiles on 48 SMs, spans 7.2 us;
+// the attention 13.1 us on XL), a 32 KiB stage takes 0.5 us of multiplication, and a block's
+// tiles, the barrier (fences, 132 arrivals on one counter, the poll), the L2 round trips of
+// x, the statistics and the epilogue run one after another.
 // Without the barriers, each row handed on as 16-byte words of 4 values and the launch's flag
 // twice, polled by the blocks that read it (no fences, no counters but for attention; the
 // same bits), the step took 467 us against 245 kernel by kernel in the same run: in its
@@ -81,6 +84,7 @@ constexpr int MAX_STAGES = 8;
 constexpr int STEP_MAX_C = 1600;                    // GPT-2 XL's width: shared-memory rows are sized for it
 constexpr unsigned SPIN_LIMIT = 1u << 26;
 constexpr int HEAD_DIM = 64;
+constexpr int STAGE_TRACE = 1536;                   // stages a block traces (trace: 4 x this after the marks)
 constexpr int HEAD_TILES = 3 * HEAD_DIM / 16;         // q|k|v tiles of one head
 
 // Pointers of one block's weights, as the wrapper lays them out (uint64 each).
@@ -114,10 +118,13 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
 }
 
 // Optional timeline (benchmarks/fused_step.py --trace): thread 0 of each block writes the
-// global timer (ns) at each mark into trace[block][mark]; nothing when trace is null.
+// global timer (ns) at each mark into trace[block][mark], and for each of the block's first
+// STAGE_TRACE ring stages the time the producer issued it and the consumers asked for it, had
+// it and freed it (the last 4 STAGE_TRACE columns); nothing when trace is null.
 struct Trace {
     unsigned long long* at;
     int n;
+    unsigned long long* st;  // stage times: [4][STAGE_TRACE] issue / wants / has / frees, or null
     __device__ __forceinline__ void mark() {
         if (at != nullptr && threadIdx.x == 0) at[n++] = global_ns();
     }
@@ -177,12 +184,14 @@ struct Stream {
 // of the consumers across grid barriers, as far as the ring allows.
 template <typename T>
 __device__ __forceinline__ void produce(const T* W, const Stream& s, unsigned char* ring, unsigned long long* full,
-                                        unsigned long long* empty, int n_stages, unsigned& k, int lane) {
+                                        unsigned long long* empty, int n_stages, unsigned& k, int lane,
+                                        unsigned long long* st) {
     const unsigned ring_base = smem_addr(ring);
     for (int r = 0; r < s.rounds; ++r) {
         for (int sl = 0; sl < s.slabs; ++sl, ++k) {
             const int slot = k % n_stages;
             mbar_wait(&empty[slot], ((k / n_stages) & 1) ^ 1, true);
+            if (st != nullptr && lane == 0 && k < STAGE_TRACE) st[k] = global_ns();  // issue
             const unsigned base = ring_base + slot * STAGE_BYTES;
             const int col0 = sl * s.sc * 32, cols = min(s.sc * 32, s.K - col0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -313,7 +322,9 @@ __device__ __forceinline__ void product_phase(const Product<T>& p, const Epilogu
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (acc2: warp kw + 8)
         for (int sl = 0; sl < s.slabs; ++sl, ++k) {
             const int slot = k % n_stages;
+            if (tr.st != nullptr && threadIdx.x == 0 && k < STAGE_TRACE) tr.st[STAGE_TRACE + k] = global_ns();  // wants
             mbar_wait(&sh.full[slot], (k / n_stages) & 1);
+            if (tr.st != nullptr && threadIdx.x == 0 && k < STAGE_TRACE) tr.st[2 * STAGE_TRACE + k] = global_ns();  // has
             if (active) {
                 const unsigned char* rows = ring + slot * STAGE_BYTES + (grp * 16 + g) * s.row_bytes;
                 auto chunk_mma = [&](float (&a4)[4], int c) {  // chunk c of the slab (c < s.sc)
@@ -337,6 +348,7 @@ __device__ __forceinline__ void product_phase(const Product<T>& p, const Epilogu
                 }
             }
             mbar_arrive(&sh.empty[slot]);  // this thread is done with the slot
+            if (tr.st != nullptr && threadIdx.x == 0 && k < STAGE_TRACE) tr.st[3 * STAGE_TRACE + k] = global_ns();  // frees
         }
         if (active && t == 0) {
             sh.red[grp * p.KW + kw][g] = acc[0];
@@ -457,13 +469,14 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #endif
     __syncthreads();  // (the only barrier of all the block's threads)
+    unsigned long long* st = trace != nullptr ? trace + static_cast<long long>(blockIdx.x) * trace_marks + trace_marks - 4 * STAGE_TRACE : nullptr;
 
     if (warp == STEP_WARPS) {  // the producer: every weight of the step, in the consumers' order
         unsigned k = 0;
         int start = 0;
         auto stream = [&](const T* W, int N, int K, int KW) {
             const Stream s(N, K, KW, start);
-            produce(W, s, ring, sh.full, sh.empty, n_stages, k, lane);
+            produce(W, s, ring, sh.full, sh.empty, n_stages, k, lane, st);
             start = s.next_start();
         };
         for (int l = 0; l < n_layer; ++l) {
@@ -484,7 +497,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
     unsigned* head_ready = sync + 2 + H; // [H]: q|k|v tiles done a head
     unsigned target = 0, k = 0;
     int start = 0;  // the block that takes the next product's first tile
-    Trace tr{trace != nullptr ? trace + static_cast<long long>(blockIdx.x) * trace_marks : nullptr, 0};
+    Trace tr{trace != nullptr ? trace + static_cast<long long>(blockIdx.x) * trace_marks : nullptr, 0, st};
     tr.mark();
     const int tok = tokens[0], pos = positions[0];
     if (threadIdx.x == 0) {

@@ -144,6 +144,23 @@ def test_every_tensor_core_launch_shape_is_declared(sms, smem):
                             assert name in declared, (B, N, K, tile, ln, fold, name)
 
 
+def test_decode_step_constants_mirror_decode_step_cu():
+    """The wrapper's copies of decode_step.cu's constants (the ring's slots, the widest row, the
+    timeline's stages) hold the kernel's values."""
+    import importlib
+    import re
+
+    ds = importlib.import_module("cupy_kernels.decode_step")
+    text = _build.source_text("decode_step.cu")
+    pairs = {"MAX_STAGES": "MAX_STAGES", "MAX_C": "STEP_MAX_C", "HEAD_DIM": "HEAD_DIM", "STAGE_TRACE": "STAGE_TRACE"}
+    for py, cu in pairs.items():
+        found = re.findall(rf"constexpr int {cu} = (\d+);", text)
+        assert found == [str(getattr(ds, py))], (py, cu, found)
+    (stage,) = re.findall(r"constexpr int STAGE_BYTES = ([^;]+);", text)
+    consts = {c: int(v) for c, v in re.findall(r"constexpr int (STAGE_CHUNKS|STAGE_PAD) = (\d+);", text)}
+    assert eval(stage, {}, consts) == ds.STAGE_BYTES, (stage, consts)
+
+
 def test_linear_constants_mirror_linear_cu():
     """The wrapper's copies of linear.cu's compile-time constants (block shapes, shared-memory
     strides, the streamed LM head's chunks a warp) hold the kernel's values."""

@@ -128,9 +128,9 @@ def test_fused_step_rejects_bad_shapes():
 
 
 def test_fused_step_timeline():
-    """With a trace buffer the step writes every block's marks, in time order, and the same
-    token as without one."""
-    from cupy_kernels.decode_step import trace_marks
+    """With a trace buffer the step writes every block's marks, in time order, and its ring
+    stages' times in the order each stage lives through them, and the same token as without one."""
+    from cupy_kernels.decode_step import STAGE_TRACE, trace_marks, trace_stages
 
     model = random_model("float16", n_layer=2)
     cfg = model.config
@@ -146,5 +146,12 @@ def test_fused_step_timeline():
         tokens.append(int(buf.tokens.get()[0]))
         t = trace.get()
     assert tokens[0] == tokens[1]
-    assert (t > 0).all()
-    assert (np.diff(t.astype(np.int64), axis=1) >= 0).all()
+    marks = t[:, :-4 * STAGE_TRACE].astype(np.int64)
+    assert (marks > 0).all()
+    assert (np.diff(marks, axis=1) >= 0).all()
+    for issued, wanted, had, freed in trace_stages(t.astype(np.int64), cfg.n_layer):
+        n = int(np.count_nonzero(freed))
+        assert n > 0 and (freed[n:] == 0).all() and (issued[n:] == 0).all()
+        issued, wanted, had, freed = issued[:n], wanted[:n], had[:n], freed[:n]
+        assert (issued > 0).all() and (issued < had).all() and (wanted <= had).all() and (had <= freed).all()
+        assert (np.diff(issued) >= 0).all() and (np.diff(freed) >= 0).all()
