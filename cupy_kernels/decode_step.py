@@ -50,6 +50,7 @@ def trace_stages(trace, n_layer: int):
     it; 0 past the block's last stage."""
     return trace[:, trace_marks(n_layer) - 4 * STAGE_TRACE:].reshape(trace.shape[0], 4, STAGE_TRACE)
 
+
 def _name(dtype, attention_threads: int) -> str:
     return f"decode_step_kernel<{_build.ctype(dtype)}, {attention_threads}>"
 
