@@ -94,7 +94,8 @@ def decode_step(tokens, positions, seq_lens, x, qkv, f, stats, k_cache, v_cache,
     decode_attention's bits. Launched on the current stream; records into a plan.
 
     ``trace``: None, or a uint64 array [SMs, trace_marks(L)] that receives each block's global
-    timer (ns) at the marks of its timeline (decode_step.cu's Trace)."""
+    timer (ns) at the marks of its timeline and at its first STAGE_TRACE ring stages
+    (trace_stages; decode_step.cu's Trace)."""
     x = _checks.float_array(x, "x", ndim=2)
     if x.dtype.itemsize != 2:
         raise TypeError(f"x must be float16 or bfloat16, got {x.dtype}")
