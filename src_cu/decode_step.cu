@@ -117,6 +117,13 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
     }
 }
 
+enum StageTime : int { STAGE_ISSUED = 0, STAGE_WANTS, STAGE_HAS, STAGE_FREES };
+
+// Row `what` of a block's ring-stage times st ([4][STAGE_TRACE], null: none): stage k, now.
+__device__ __forceinline__ void stage_time(unsigned long long* st, int what, unsigned k) {
+    if (st != nullptr && k < static_cast<unsigned>(STAGE_TRACE)) st[what * STAGE_TRACE + k] = global_ns();
+}
+
 // Optional timeline (benchmarks/fused_step.py --trace): thread 0 of each block writes the
 // global timer (ns) at each mark into trace[block][mark], and for each of the block's first
 // STAGE_TRACE ring stages the time the producer issued it and the consumers asked for it, had
@@ -127,6 +134,10 @@ struct Trace {
     unsigned long long* st;  // stage times: [4][STAGE_TRACE] issue / wants / has / frees, or null
     __device__ __forceinline__ void mark() {
         if (at != nullptr && threadIdx.x == 0) at[n++] = global_ns();
+    }
+    // the consumers' time for stage k: STAGE_WANTS, STAGE_HAS or STAGE_FREES
+    __device__ __forceinline__ void stage(int what, unsigned k) const {
+        if (threadIdx.x == 0) stage_time(st, what, k);
     }
 };
 
@@ -191,7 +202,7 @@ __device__ __forceinline__ void produce(const T* W, const Stream& s, unsigned ch
         for (int sl = 0; sl < s.slabs; ++sl, ++k) {
             const int slot = k % n_stages;
             mbar_wait(&empty[slot], ((k / n_stages) & 1) ^ 1, true);
-            if (st != nullptr && lane == 0 && k < STAGE_TRACE) st[k] = global_ns();  // issue
+            if (lane == 0) stage_time(st, STAGE_ISSUED, k);
             const unsigned base = ring_base + slot * STAGE_BYTES;
             const int col0 = sl * s.sc * 32, cols = min(s.sc * 32, s.K - col0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -322,9 +333,9 @@ __device__ __forceinline__ void product_phase(const Product<T>& p, const Epilogu
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (acc2: warp kw + 8)
         for (int sl = 0; sl < s.slabs; ++sl, ++k) {
             const int slot = k % n_stages;
-            if (tr.st != nullptr && threadIdx.x == 0 && k < STAGE_TRACE) tr.st[STAGE_TRACE + k] = global_ns();  // wants
+            tr.stage(STAGE_WANTS, k);
             mbar_wait(&sh.full[slot], (k / n_stages) & 1);
-            if (tr.st != nullptr && threadIdx.x == 0 && k < STAGE_TRACE) tr.st[2 * STAGE_TRACE + k] = global_ns();  // has
+            tr.stage(STAGE_HAS, k);
             if (active) {
                 const unsigned char* rows = ring + slot * STAGE_BYTES + (grp * 16 + g) * s.row_bytes;
                 auto chunk_mma = [&](float (&a4)[4], int c) {  // chunk c of the slab (c < s.sc)
@@ -348,7 +359,7 @@ __device__ __forceinline__ void product_phase(const Product<T>& p, const Epilogu
                 }
             }
             mbar_arrive(&sh.empty[slot]);  // this thread is done with the slot
-            if (tr.st != nullptr && threadIdx.x == 0 && k < STAGE_TRACE) tr.st[3 * STAGE_TRACE + k] = global_ns();  // frees
+            tr.stage(STAGE_FREES, k);
         }
         if (active && t == 0) {
             sh.red[grp * p.KW + kw][g] = acc[0];
@@ -469,7 +480,8 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #endif
     __syncthreads();  // (the only barrier of all the block's threads)
-    unsigned long long* st = trace != nullptr ? trace + static_cast<long long>(blockIdx.x) * trace_marks + trace_marks - 4 * STAGE_TRACE : nullptr;
+    unsigned long long* st =  // the block's ring-stage times: its last 4 STAGE_TRACE columns
+        trace != nullptr ? trace + static_cast<long long>(blockIdx.x + 1) * trace_marks - 4 * STAGE_TRACE : nullptr;
 
     if (warp == STEP_WARPS) {  // the producer: every weight of the step, in the consumers' order
         unsigned k = 0;
