@@ -50,7 +50,7 @@ def timeline(model, length: int) -> list[dict]:
     arrival to the release), its prologue (LayerNorm statistics and x into shared
     memory) and its tiles, medians over blocks and layers; and the phase's span (release to
     the next release, median over blocks), us."""
-    from cupy_kernels.decode_step import STAGE_TRACE, ring_stages, trace_marks, trace_stages
+    from cupy_kernels.decode_step import ring_stages, split_trace, trace_marks
     from gpt2_cupy.engine import Session
 
     cfg = model.config
@@ -62,9 +62,9 @@ def timeline(model, length: int) -> list[dict]:
         with s.stream:
             model.fused_step_launch(s.cache, s.buf, trace=trace)
         s.stream.synchronize()
-    raw = trace.get().astype(np.int64)
-    ring = ring_use(trace_stages(raw, cfg.n_layer), ring_stages())
-    t = raw[:, :-4 * STAGE_TRACE] / 1e3  # us (the marks)
+    marks, stages = split_trace(trace.get().astype(np.int64), cfg.n_layer)
+    ring = ring_use(stages, ring_stages())
+    t = marks / 1e3  # us
     t -= t.min()
     per = {name: {"wait_us": [], "prologue_us": [], "tiles_us": [], "span_us": []} for name in PHASES + ("lm_head",)}
     i, prev_done = 1, t[:, 0]

@@ -40,15 +40,17 @@ STAGE_TRACE = 1536  # decode_step.cu: ring stages a block traces
 def trace_marks(n_layer: int) -> int:
     """Columns of the step's timeline (``trace=``) for a model of ``n_layer`` blocks: a mark at
     the start, TRACE_MARKS_PER_LAYER a block, three for the LM head, one at the end; then four
-    times STAGE_TRACE for the block's first ring stages (trace_stages)."""
+    times STAGE_TRACE for the block's first ring stages (split_trace)."""
     return 1 + TRACE_MARKS_PER_LAYER * n_layer + 3 + 1 + 4 * STAGE_TRACE
 
 
-def trace_stages(trace, n_layer: int):
-    """The ring-stage part of a timeline: [blocks, 4, STAGE_TRACE] global times (ns) at which
-    the producer issued stage k (its slot free), the consumers asked for it, had it, and freed
-    it; 0 past the block's last stage."""
-    return trace[:, trace_marks(n_layer) - 4 * STAGE_TRACE:].reshape(trace.shape[0], 4, STAGE_TRACE)
+def split_trace(trace, n_layer: int):
+    """A timeline [blocks, trace_marks(n_layer)] as (marks [blocks, marks], stages [blocks, 4,
+    STAGE_TRACE]): each block's global times (ns) at its marks, and at which the producer issued
+    ring stage k (its slot free), the consumers asked for it, had it, and freed it (0 past the
+    block's last stage)."""
+    at = trace_marks(n_layer) - 4 * STAGE_TRACE
+    return trace[:, :at], trace[:, at:].reshape(trace.shape[0], 4, STAGE_TRACE)
 
 
 def _name(dtype, attention_threads: int) -> str:
@@ -95,7 +97,7 @@ def decode_step(tokens, positions, seq_lens, x, qkv, f, stats, k_cache, v_cache,
 
     ``trace``: None, or a uint64 array [SMs, trace_marks(L)] that receives each block's global
     timer (ns) at the marks of its timeline and at its first STAGE_TRACE ring stages
-    (trace_stages; decode_step.cu's Trace)."""
+    (split_trace; decode_step.cu's Trace)."""
     x = _checks.float_array(x, "x", ndim=2)
     if x.dtype.itemsize != 2:
         raise TypeError(f"x must be float16 or bfloat16, got {x.dtype}")

@@ -130,7 +130,7 @@ def test_fused_step_rejects_bad_shapes():
 def test_fused_step_timeline():
     """With a trace buffer the step writes every block's marks, in time order, and its ring
     stages' times in the order each stage lives through them, and the same token as without one."""
-    from cupy_kernels.decode_step import STAGE_TRACE, trace_marks, trace_stages
+    from cupy_kernels.decode_step import split_trace, trace_marks
 
     model = random_model("float16", n_layer=2)
     cfg = model.config
@@ -146,10 +146,10 @@ def test_fused_step_timeline():
         tokens.append(int(buf.tokens.get()[0]))
         t = trace.get()
     assert tokens[0] == tokens[1]
-    marks = t[:, :-4 * STAGE_TRACE].astype(np.int64)
+    marks, stages = split_trace(t.astype(np.int64), cfg.n_layer)
     assert (marks > 0).all()
     assert (np.diff(marks, axis=1) >= 0).all()
-    for issued, wanted, had, freed in trace_stages(t.astype(np.int64), cfg.n_layer):
+    for issued, wanted, had, freed in stages:
         n = int(np.count_nonzero(freed))
         assert n > 0 and (freed[n:] == 0).all() and (issued[n:] == 0).all()
         issued, wanted, had, freed = issued[:n], wanted[:n], had[:n], freed[:n]
