@@ -14,8 +14,13 @@ and meets them at a cluster barrier between phases. ``loaded``: the same while a
 stream runs a kernel that streams a 1 GiB buffer from DRAM with 16 16-byte loads in flight a
 thread (one 256-thread block an SM), as the decode step's products keep the memory busy with
 weights requested ahead. ``empty`` and ``cluster_barrier``: the boundaries and the barriers
-alone, with no row. Time a hand-off = the graph's replay / 63. Writes
-benchmarks/results/handoff-<device>.json.
+alone, with no row. ``flag``: the ``row`` kernels, still launched early by programmatic launch,
+each waiting for an arrival counter of the kernel before it (one thread's ld.acquire.gpu poll,
+then the block barrier; red.release.gpu after its slice is written) instead of for that
+kernel's end: what a hand-off from block to block costs without the kernel boundary's wait
+(checked to give the ``row`` chain's bits). ``row_25`` and ``flag_25``: the same in grids of
+25 blocks, as many as GPT-2 XL's attention has at batch 1. Time a hand-off = the graph's
+replay / 63. Writes benchmarks/results/handoff-<device>.json.
 """
 
 from __future__ import annotations
@@ -87,6 +92,34 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
         for (int i = threadIdx.x; i < per; i += blockDim.x) out[rank * per + i] = slice[phases % 2][i];
 }
 
+// The row hand-off of chain_row_kernel with the kernel boundary's wait replaced by an arrival
+// counter: kernel i of the chain (launched early by programmatic launch, as every kernel is)
+// polls counters[i - 1] until every block of kernel i - 1 has arrived (ld.acquire.gpu by one
+// thread, then the block barrier), hands the row on (through L2) and arrives on counters[i]
+// (red.release.gpu by one thread after the block barrier). Kernel i's first block sets
+// counters[i - 2] back to zero once counters[i - 1] is full (every block of kernel i - 1 has
+// read it by then); the first kernel of a replay, after griddepcontrol.wait (the graph's
+// boundary), sets the last two back.
+extern "C" __global__ void chain_flag_kernel(float* __restrict__ out, const float* __restrict__ in, int C,
+                                             unsigned* counters, int i, int phases) {
+    __shared__ float part[32];
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    if (i == 0) {
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");
+        if (blockIdx.x == 0 && threadIdx.x == 0) counters[phases - 2] = counters[phases - 1] = 0;
+    } else if (threadIdx.x == 0) {
+        unsigned seen;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(counters + i - 1) : "memory");
+        } while (seen < gridDim.x);
+        if (blockIdx.x == 0 && i >= 2) counters[i - 2] = 0;
+    }
+    __syncthreads();
+    hand_off<true>(out, in, C, part);
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(counters + i) : "memory");
+}
+
 // Streams words [0, words) of buf `rounds` times, HOG_LOADS 16-byte loads in flight a thread.
 extern "C" __global__ void hog_kernel(const uint4* __restrict__ buf, long long words, int rounds,
                                       unsigned* __restrict__ sink) {
@@ -111,16 +144,26 @@ extern "C" __global__ void hog_kernel(const uint4* __restrict__ buf, long long w
 def main():
     print(banner(), flush=True)
     mod = cp.RawModule(code=_SRC, options=("-std=c++17",))
-    row, cluster, hog, empty = (mod.get_function(n) for n in ("chain_row_kernel", "chain_cluster_kernel", "hog_kernel",
-                                                              "chain_empty_kernel"))
+    row, cluster, hog, empty, flag = (mod.get_function(n) for n in ("chain_row_kernel", "chain_cluster_kernel",
+                                                                    "hog_kernel", "chain_empty_kernel",
+                                                                    "chain_flag_kernel"))
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     bufs = [cp.random.standard_normal(C, dtype=cp.float32) for _ in range(2)]
     out = cp.empty(C, dtype=cp.float32)
+    counters = cp.zeros(PHASES, dtype=cp.uint32)
     plans = {
         "row": _build.Plan(_build.Launch(row, (sms,), (256,), (bufs[(i + 1) % 2], bufs[i % 2], np.int32(C)), 0, True)
                            for i in range(PHASES)),
         "cluster": _build.Plan([_build.Launch(cluster, (16 * CLUSTER,), (256,),
                                               (out, bufs[0], np.int32(C), np.int32(PHASES), np.int32(1)), 0, False)]),
+        "flag": _build.Plan(_build.Launch(flag, (sms,), (256,), (bufs[(i + 1) % 2], bufs[i % 2], np.int32(C), counters,
+                                                                np.int32(i), np.int32(PHASES)), 0, True)
+                            for i in range(PHASES)),
+        "row_25": _build.Plan(_build.Launch(row, (25,), (256,), (bufs[(i + 1) % 2], bufs[i % 2], np.int32(C)), 0, True)
+                              for i in range(PHASES)),
+        "flag_25": _build.Plan(_build.Launch(flag, (25,), (256,), (bufs[(i + 1) % 2], bufs[i % 2], np.int32(C),
+                                                                   counters, np.int32(i), np.int32(PHASES)), 0, True)
+                               for i in range(PHASES)),
         "empty": _build.Plan(_build.Launch(empty, (sms,), (256,), (), 0, True) for _ in range(PHASES)),
         "cluster_barrier": _build.Plan([_build.Launch(cluster, (16 * CLUSTER,), (256,),
                                                       (out, bufs[0], np.int32(C), np.int32(PHASES), np.int32(0)), 0,
@@ -130,6 +173,16 @@ def main():
     words = hog_buf.size // 4
     sink = cp.zeros(1, dtype=cp.uint32)
     main_stream, hog_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    start_row = bufs[0].copy()
+    ends = {}
+    for name in ("row", "flag", "row_25", "flag_25"):  # the same arithmetic: the same row after a replay
+        with main_stream:
+            bufs[0][:] = start_row
+            plans[name].replay(pdl=True)
+        main_stream.synchronize()
+        ends[name] = bufs[PHASES % 2].copy()
+    same = bool((ends["row"] == ends["flag"]).all()) and bool((ends["row_25"] == ends["flag_25"]).all())
+    print(f"flag hand-offs give the row kernels' bits: {same}", flush=True)
     graphs = {}
     for name, plan in plans.items():
         with main_stream:
@@ -149,7 +202,8 @@ def main():
     one = hog_us(1)
     gbps = (1 << 30) / one / 1e3
     print(f"hog alone: {one:.1f} us a pass over 1 GiB ({gbps:.0f} GB/s)", flush=True)
-    rows = [{"bench": "handoff", "impl": "hog", "us_per_pass": round(one, 1), "GBps": round(gbps, 1),
+    rows = [{"bench": "handoff", "impl": "flag_check", "same_bits_as_row": same},
+            {"bench": "handoff", "impl": "hog", "us_per_pass": round(one, 1), "GBps": round(gbps, 1),
              "loads_in_flight": HOG_LOADS, "blocks": sms, "threads": 256}]
     reps = 5
     for name, graph in graphs.items():
@@ -171,7 +225,7 @@ def main():
             us = float(np.median(times))
             rows.append({"bench": "handoff", "impl": name, "loaded": loaded, "phases": PHASES, "C": C,
                          "us": round(us, 2), "us_per_handoff": round(us / PHASES, 3),
-                         "blocks": 16 * CLUSTER if name.startswith("cluster") else sms,
+                         "blocks": 16 * CLUSTER if name.startswith("cluster") else 25 if name.endswith("_25") else sms,
                          "cluster": CLUSTER if name.startswith("cluster") else 1})
             print(f"{name:8s} {'loaded' if loaded else 'idle  '}: {us:8.2f} us, {us / PHASES:.3f} us a hand-off",
                   flush=True)
