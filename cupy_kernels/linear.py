@@ -548,12 +548,16 @@ def _mma_stream(B: int, N: int, K: int, tile, xin: int, logits: bool, kw: int, s
             and all(a.data.ptr % 16 == 0 for a in consts if a is not None))  # (bias, u, c: 16-byte copies)
 
 
-def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats, ahead=None):
+def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats, ahead=None,
+                pace=None):
     fold, stats_out = stats
     sms = _build.sm_count(cupy.cuda.Device().id)
     logits = out_type == "float" and epi in ("store", "argmax")
     nt, u, kw, xin, smem, xs_stride, mt = _mma_plan(B, N, K, ln is not None, tile, warps, sms, _build.smem_optin(),
                                                     fold=fold is not None, logits=logits)
+    pace_ps = 0 if pace is None else round(16 * mt * K * x.dtype.itemsize * 1000 / pace)  # a block's W, ps
+    if pace_ps >= 2**31:
+        raise ValueError(f"pace={pace} GB/s is too slow for rows of {K} values: a block's delay must fit 2**31 ps")
     if ln is not None and xin == X_PLAIN:  # normalize once, then the plain product (the same bits)
         x, ln = ln_rows(x, ln), None
     if _mma_stream(B, N, K, tile, xin, logits, kw, sms, _build.smem_optin(),
@@ -575,12 +579,12 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
     kern((blocks, grid_y), (threads,),
          _args(out, x, weight, bias, ln_args, res, part, kv, B, N, K)
          + (i32(xs_stride), null if fold is None else fold[0], null if stats_out is None else stats_out,
-            null if fold is None else fold[1], null if fold is None else fold[2]), shared_mem=smem)
+            null if fold is None else fold[1], null if fold is None else fold[2], i32(pace_ps)), shared_mem=smem)
     return blocks, part
 
 
 def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats=(None, None),
-            ahead=None):
+            ahead=None, pace=None):
     """Launches the product (tensor cores for 16-bit vector rows, else CUDA cores); returns
     its number of blocks and the argmax partials, made by ``part(blocks)`` when given.
     ``stats``: (ln_fold as (stats, u, c, eps), row statistics to write), tensor cores only."""
@@ -588,9 +592,11 @@ def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, til
     _check_tile(tile, warps, mma)
     if mma:
         return _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats,
-                           ahead)
+                           ahead, pace)
     if ahead:
         raise ValueError("ahead=True runs on tensor cores: float16 / bfloat16 rows of 16-byte vectors")
+    if pace is not None:
+        raise TypeError("pace= paces the tensor-core product: float16 / bfloat16 rows of 16-byte vectors")
     if any(a is not None for a in stats):
         raise TypeError("ln_fold and stats_out need float16 / bfloat16 rows of 16-byte vectors (K % 8 == 0, "
                         "16-byte aligned): the tensor-core product")
@@ -684,7 +690,7 @@ def _stats_args(ln_fold, B: int, N: int, K: int, bias=None, ln=None, residual=No
 
 
 def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, residual=None, stats_out=None,
-           kv_cache=None, out_dtype=None, out=None, tile=None, warps=None, ahead=None) -> cupy.ndarray:
+           kv_cache=None, out_dtype=None, out=None, tile=None, warps=None, ahead=None, pace=None) -> cupy.ndarray:
     """``y = act(norm(x) @ weight.T + bias)``, for a few rows of x.
 
     x: [B, K] contiguous; weight: [N, K] (out, in) contiguous; bias: [N] or None.
@@ -712,9 +718,15 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
     of x per pass (MMA_TILES, never changes the numbers) and ``warps`` the warps that split
     K (1 to MMA_MAX_WARPS), which sets the summation order: a benchmark's knob. ``ahead``
     (tensor cores, one n-tile): whether each warp requests its next batch of W before it
-    multiplies this one (never changes the numbers; chosen by shape when None).
+    multiplies this one (never changes the numbers; chosen by shape when None). ``pace``
+    (GB/s, tensor cores): column i of the grid's blocks requests its weights i x (a block's
+    bytes of W / pace) after it starts, instead of at once, so that a product launched early
+    (programmatic dependent launch) does not fill the memory's queues ahead of the loads the
+    kernels before it wait for (never changes the numbers; the LM head's streamed kernel, 17
+    to 64 rows of float logits, requests its tiles through a ring and takes no pacing).
     """
     x, weight, bias, ln, B, N, K = _prepare(x, weight, bias, ln)
+    pace = _check_pace(pace)
     out_dtype = numpy.dtype(x.dtype if out_dtype is None else out_dtype)
     if out_dtype not in (x.dtype, numpy.dtype(numpy.float32)):
         raise TypeError(f"out_dtype must be {x.dtype} or float32, got {out_dtype}")
@@ -743,8 +755,19 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
         raise ValueError("x has no features (K = 0)")
     epi = "residual" if residual is not None else "qkv_cache" if kv is not None else "gelu" if gelu else "store"
     _launch(x, weight, bias, ln, residual, out, None, kv, _build.ctype(out_dtype), epi, B, N, K, tile, warps, stats,
-            ahead)
+            ahead, pace)
     return out
+
+
+def _check_pace(pace):
+    """pace= of linear: None, or GB/s from 1 to 1e6, as a float."""
+    if pace is None:
+        return None
+    if isinstance(pace, bool) or not isinstance(pace, (int, float, numpy.integer, numpy.floating)):
+        raise TypeError(f"pace must be a number of GB/s or None, got {type(pace).__name__}")
+    if not (math.isfinite(pace) and 1 <= pace <= 1e6):
+        raise ValueError(f"pace must be from 1 to 1e6 GB/s, got {pace!r}")
+    return float(pace)
 
 
 def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, out=None, tile=None,

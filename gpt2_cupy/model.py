@@ -144,6 +144,30 @@ DECODE_WARM_BATCH = 2
 # medium B = 8 587.5 / 591.0; large B = 2 983.1 / 978.6 (0.5%), B = 4 1030.7 / 1032.7; XL B = 1
 # 1608.9 / 1613.8, B = 8 1983.7 / 2026.3. The same numbers either way.
 DECODE_PREFETCH_BATCHES = {768: 16, 1024: 4}
+# Paced weight requests in the decode step (linear's pace=): for 16-bit models of a width in
+# DECODE_PACE_WIDTHS, at batches of up to DECODE_PACE_BATCH, the q|k|v and MLP up products'
+# block columns request their weights one after another at DECODE_PACE_GBPS instead of all at
+# their (early) start. Those products start during the attention and the projection before
+# them, and their requests queued ahead of the loads those kernels wait for: a load that hits in
+# L2 waits 244 ns while 4.3 MB stream, 1.66 us with 8.7 MB requested at once (H100,
+# benchmarks/results/memory_queue-h100.json). The rule as taken, on an H100 (float16, us a
+# sweep of 512 replays from 8 cached keys on one session's buffers, paced / unpaced, and the
+# wall time a token of a 512-token call; benchmarks/results/pace_rule-h100.json): GPT-2 small
+# at batch 1 201.22 / 213.00 (calls 204.3 / 215.9), at batch 8 253.55 / 255.27, medium at batch
+# 1 467.73 / 506.08 (470.7 / 509.0); GPT-2 large paced as well lost, 1116.86 against 964.55.
+# Choosing it (the same measure, through a module constant of the launches by epilogue, branch
+# pacing-knob: pacing_small-h100.json, pacing_roles-h100.json): GPT-2 small at batch 1
+# 212.90 unpaced, 202.66 / 200.74 / 201.99 paced at 3000 / 2000 / 1500 GB/s (calls 214.8 /
+# 204.5 / 202.6 / 203.8), at batch 8 255.15 against 250.69 / 253.26 / 255.10; medium at batch 1
+# 507.26 against 471.76 / 466.54 / 493.80. Pacing only the q|k|v product at 3000: small 207.93,
+# medium 496.89; only the MLP up: small 207.54. Pacing the products with a residual add as well
+# (the attention projection and the MLP down, which the next kernel waits for soon after they
+# start) lost it: small 210.75 with all four at 3000. GPT-2 XL lost with any pacing (its layers
+# keep the memory busy): 1612.56 unpaced, 1662.97 / 1735.48 with the MLP up alone at 6000 /
+# 3000, 1881.85 with q|k|v and MLP up at 3000.
+DECODE_PACE_GBPS = 2000
+DECODE_PACE_WIDTHS = (768, 1024)
+DECODE_PACE_BATCH = 8
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -530,6 +554,8 @@ class GPT2:
         stats = buf.stats if self.folded else None  # [B, C / 16, 2]: of the residual stream buf.x
         prefetch = cache.positions if (2 <= B <= DECODE_PREFETCH_BATCHES.get(C, 0)
                                        and self.dtype != numpy.float32) else None
+        pace = DECODE_PACE_GBPS if (B <= DECODE_PACE_BATCH and C in DECODE_PACE_WIDTHS and DECODE_PACE_GBPS
+                                    and self.dtype != numpy.float32) else None
 
         def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm
             return dict(ln_fold=(stats, u, c, eps)) if folded else dict(bias=b, ln=ln)
@@ -544,12 +570,12 @@ class GPT2:
                 qkv_in = normalized(blk.attn_b, (blk.ln_1_w, blk.ln_1_b, eps), blk.attn_u, blk.attn_c,
                                     stats is not None and i > 0)  # (the embedding leaves no statistics)
                 if cache.k_scale is None:  # keys and values go into the cache from the product's epilogue
-                    K.linear(buf.x, blk.attn_w, out=buf.qkv, **qkv_in,
+                    K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, **qkv_in,
                              kv_cache={"k_cache": cache.k[i], "v_cache": cache.v[i], "positions": cache.positions,
                                        "seq_lens": cache.lengths})
                     appended = (qkv[:, 0, 1], qkv[:, 0, 2])  # the cache's new rows, as the product wrote them
                 else:  # quantized: a row's scale needs all of its D values, which kv_append holds
-                    K.linear(buf.x, blk.attn_w, out=buf.qkv, **qkv_in)
+                    K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, **qkv_in)
                     K.kv_append(k=qkv[:, :, 1], v=qkv[:, :, 2], start=cache.positions, seq_lens=cache.lengths,
                                 **cache.layer(i))
                     appended = None
@@ -558,7 +584,7 @@ class GPT2:
                                    warm=self._decode_warm(blk, B), prefetch=prefetch, **cache.layer(i))
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x,
                          stats_out=stats)
-                K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f,
+                K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f, pace=pace,
                          **normalized(blk.fc_b, (blk.ln_2_w, blk.ln_2_b, eps), blk.fc_u, blk.fc_c, stats is not None))
                 K.linear(buf.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=buf.x, out=buf.x, stats_out=stats)
             self.head(buf, sampling, stats, positions=cache.positions)

@@ -561,10 +561,10 @@ template <int NT, int U, int XIN, int EPI, int MT> constexpr int mma_min_blocks(
         int *__restrict__ part_idx, T *__restrict__ k_cache, T *__restrict__ v_cache,                               \
         const int *__restrict__ positions, int *__restrict__ seq_lens, int H, int S_max, int B, int N, int K,       \
         int xs_stride, const float2 *stats_in, float2 *__restrict__ stats_out, const float *__restrict__ fold_u,   \
-        const float *__restrict__ fold_c
+        const float *__restrict__ fold_c, int pace_ps
 #define LINEAR_MMA_ARGS                                                                                            \
     y, x, W, bias, ln_w, ln_b, eps, res, part_val, part_idx, k_cache, v_cache, positions, seq_lens, H, S_max, B, N, \
-        K, xs_stride, stats_in, stats_out, fold_u, fold_c
+        K, xs_stride, stats_in, stats_out, fold_u, fold_c, pace_ps
 
 // The product. AHEAD: each warp requests its next batch of W before it multiplies this one
 // (W_AHEAD, or linear_mma_ahead_kernel).
@@ -626,6 +626,17 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
     // w_prefetch_k_slices_epilogue-h200.log, "pf"): GPT-2 small float16 B = 1 208.3 / 228.1 /
     // 254.2 / 278.5 against 208.6 / 220.4 / 240.9 / 267.1, XL 1438.0 / 1514.1 / 1622.3 /
     // 1731.5 against 1390.1 / 1453.3 / 1557.3 / 1664.8.
+    // Paced (pace_ps > 0): block column i requests its weights i x pace_ps picoseconds after its
+    // start, so that a product launched early does not put all of its weights in the memory's
+    // queues at once, ahead of the loads the kernels before it wait for (the attention's rows,
+    // the next product's x). A load that hits in L2 waited 144 ns idle, 168 ns while 2.2 MB
+    // streamed (2.5 TB/s), 244 ns at 4.3 MB (2.8 TB/s), 1.66 us with 8.7 MB requested at once
+    // (H100; benchmarks/results/memory_queue-h100.json). linear.py's pace=; the decode step's
+    // choice is DECODE_PACE_GBPS in gpt2_cupy/model.py, with its measurements.
+    if (pace_ps > 0) {
+        const unsigned long long until = global_ns() + static_cast<unsigned long long>(blockIdx.x) * pace_ps / 1000;
+        while (global_ns() < until) {}
+    }
     load_w(wa, wb, 0);
     if constexpr (XIN == X_LN_FOLD) {
         if (threadIdx.x < TM) {

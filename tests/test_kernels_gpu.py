@@ -274,6 +274,31 @@ def test_linear_w_ahead_gives_the_same_bits(B, N, K_, variant, dtype):
         assert all(cp.array_equal(s, stats[0]) for s in stats)
 
 
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if np.dtype(d).itemsize == 2], ids=str)
+@pytest.mark.parametrize("B,N,K_,variant", [
+    (1, 2304, 768, "ln"), (1, 3072, 768, "gelu"), (1, 768, 3072, "residual"), (5, 1000, 1600, "ln_gelu"),
+    (1, 1600, 6400, "residual"), (70, 17000, 72, "logits"), (20, 20000, 72, "store"), (33, 17000, 72, "logits")])
+def test_linear_pace_keeps_the_bits(B, N, K_, variant, dtype):
+    """pace=: blocks requesting their weights one after another give the unpaced bits, which
+    match the reference, on every kernel it reaches (LayerNorm prologue, W ahead at K = 6400,
+    two m-tiles of float logits at 70 rows, several n-tiles at 20 rows); a slow pace as well.
+    (33 rows of logits: the streamed LM head, which takes no pacing.)"""
+    rng = np.random.default_rng(B + N + K_)
+    x, w, b, kw, expect = _linear_case(rng, B, N, K_, variant, dtype)
+    out_dtype = kw.get("out_dtype", dtype)
+    res = kw.pop("residual", None)
+    outs = []
+    for pace in (None, 3000, 40.5):
+        out = poisoned((B, N), out_dtype)
+        if res is not None:
+            out[...] = res
+            kw["residual"] = out
+        K.linear(x, w, b, out=out, pace=pace, **kw)
+        check(out, expect, dtype)
+        outs.append(out)
+    assert all(cp.array_equal(o, outs[0]) for o in outs[1:])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,H,D,S_max,tile", [(1, 12, 64, 40, None), (3, 25, 64, 7, None), (9, 2, 128, 5, None),
                                               (20, 12, 64, 9, None), (70, 2, 64, 9, 8)])
@@ -527,6 +552,17 @@ def test_linear_bad_inputs_raise():
         K.linear(x, w, warps=5)
     with pytest.raises(TypeError, match="out_dtype"):
         K.linear(x.astype(np.float16), w.astype(np.float16), out_dtype=np.float64)
+    with pytest.raises(TypeError, match="pace"):
+        K.linear(x, w, pace=1000)  # float32: CUDA cores
+    xh16, wh16 = x.astype(np.float16), w.astype(np.float16)
+    for bad in (0, -5, float("nan"), float("inf"), 2e6):
+        with pytest.raises(ValueError, match="pace"):
+            K.linear(xh16, wh16, pace=bad)
+    for bad in ("fast", True, [1000]):
+        with pytest.raises(TypeError, match="pace"):
+            K.linear(xh16, wh16, pace=bad)
+    with pytest.raises(ValueError, match="too slow"):
+        K.linear(cp.ones((1, 70000), np.float16), cp.ones((16, 70000), np.float16), pace=1)
     xh, wh = x.astype(np.float16), w.astype(np.float16)
     with pytest.raises(ValueError, match="tile"):  # tensor cores take n-tiles per pass
         K.linear(xh, wh, tile=(2, 4))

@@ -172,6 +172,40 @@ def test_attention_l2_warm_keeps_the_tokens(small, dtype, monkeypatch):
     assert pairs == batch[:2] + batch[1:]
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_paced_products_keep_the_tokens(small, dtype, monkeypatch):
+    """The decode step's q|k|v and MLP up products requesting their weights paced
+    (DECODE_PACE_GBPS, taken by GPT-2 small at batches of up to DECODE_PACE_BATCH) give each
+    prompt the tokens it gets unpaced, alone and in a batch; a slow pace as well."""
+    import cupy_kernels as K
+    import gpt2_cupy.model as M
+
+    hf, _ = small
+    model = GPT2.from_hf(hf, dtype)
+    assert model.config.n_embd in M.DECODE_PACE_WIDTHS
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(0, 50257, int(n)).tolist() for n in (1, 70, 600)]
+    paces, real = [], K.linear
+
+    def spy(*args, **kwargs):
+        paces.append(kwargs.get("pace"))
+        return real(*args, **kwargs)
+
+    default = M.DECODE_PACE_GBPS
+    monkeypatch.setattr(K, "linear", spy)
+    monkeypatch.setattr(M, "DECODE_PACE_GBPS", 0)
+    plain = model.generate(prompts, 40)
+    assert paces and set(paces) == {None}
+    for gbps in (default or 2000, 100):
+        monkeypatch.setattr(M, "DECODE_PACE_GBPS", gbps)
+        model._engine = None  # the sessions (and their recorded steps) of the setting before
+        paces.clear()
+        batch = model.generate(prompts, 40)
+        assert paces.count(gbps) == 2 * model.config.n_layer  # q|k|v and MLP up of every block
+        assert batch == plain
+        assert [model.generate(p, 40) for p in prompts] == plain
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_packed_prefill_equals_each_prompt_alone(small, dtype, monkeypatch):
     """Prompts prefilled together (one forward over their tokens packed along time, or
