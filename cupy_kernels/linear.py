@@ -719,7 +719,7 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
     K (1 to MMA_MAX_WARPS), which sets the summation order: a benchmark's knob. ``ahead``
     (tensor cores, one n-tile): whether each warp requests its next batch of W before it
     multiplies this one (never changes the numbers; chosen by shape when None). ``pace``
-    (GB/s, tensor cores): column i of the grid's blocks requests its weights i x (a block's
+    (GB/s, tensor cores): a block of W's i-th tile of rows requests its weights i x (a block's
     bytes of W / pace) after it starts, instead of at once, so that a product launched early
     (programmatic dependent launch) does not fill the memory's queues ahead of the loads the
     kernels before it wait for (never changes the numbers; the LM head's streamed kernel, 17
