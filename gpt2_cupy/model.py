@@ -145,9 +145,9 @@ DECODE_WARM_BATCH = 2
 # 1608.9 / 1613.8, B = 8 1983.7 / 2026.3. The same numbers either way.
 DECODE_PREFETCH_BATCHES = {768: 16, 1024: 4}
 # Paced weight requests in the decode step (linear's pace=): for 16-bit models of a width in
-# DECODE_PACE_WIDTHS, at batches of up to DECODE_PACE_BATCH, the q|k|v and MLP up products'
-# block columns request their weights one after another at DECODE_PACE_GBPS instead of all at
-# their (early) start. Those products start during the attention and the projection before
+# DECODE_PACE_WIDTHS, at batches of up to DECODE_PACE_BATCH, the blocks of the q|k|v and MLP up
+# products request their weights tile after tile at DECODE_PACE_GBPS instead of all at their
+# (early) start. Those products start during the attention and the projection before
 # them, and their requests queued ahead of the loads those kernels wait for: a load that hits in
 # L2 waits 244 ns while 4.3 MB stream, 1.66 us with 8.7 MB requested at once (H100,
 # benchmarks/results/memory_queue-h100.json). The rule as taken, on an H100 (float16, us a

@@ -629,10 +629,10 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
     // Paced (pace_ps > 0): a block of W's tile i (blockIdx.x) requests its weights i x pace_ps
     // picoseconds after its start, so that a product launched early does not put all of its
     // weights in the memory's queues at once, ahead of the loads the kernels before it wait for
-    // (the attention's rows, the next product's x). A load that hits in L2 waited 144 ns idle, 168 ns while 2.2 MB
-    // streamed (2.5 TB/s), 244 ns at 4.3 MB (2.8 TB/s), 1.66 us with 8.7 MB requested at once
-    // (H100; benchmarks/results/memory_queue-h100.json). linear.py's pace=; the decode step's
-    // choice is DECODE_PACE_GBPS in gpt2_cupy/model.py, with its measurements.
+    // (the attention's rows, the next product's x). A load that hits in L2 waited 144 ns idle,
+    // 168 ns while 2.2 MB streamed (2.5 TB/s), 244 ns at 4.3 MB (2.8 TB/s), 1.66 us with 8.7 MB
+    // requested at once (H100; benchmarks/results/memory_queue-h100.json). linear.py's pace=;
+    // the decode step's choice is DECODE_PACE_GBPS in gpt2_cupy/model.py, with its measurements.
     if (pace_ps > 0) {
         const unsigned long long until = global_ns() + static_cast<unsigned long long>(blockIdx.x) * pace_ps / 1000;
         while (global_ns() < until) {}
