@@ -206,6 +206,28 @@ def test_paced_products_keep_the_tokens(small, dtype, monkeypatch):
         assert [model.generate(p, 40) for p in prompts] == plain
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_decode_step_profile_reads_every_product(small, dtype):
+    """benchmarks/decode_step.py names each launch of a recorded decode step (paced, at batch 1,
+    and not, at 9) and reads each product's shape from its arguments: four products a block with
+    GPT-2's weight shapes, then the LM head."""
+    from benchmarks.decode_step import launch_roles
+    from gpt2_cupy.engine import Session
+
+    hf, _ = small
+    model = GPT2.from_hf(hf, dtype)
+    C, V, s = model.config.n_embd, model.config.vocab_size, model.dtype.itemsize
+    shapes = {"qkv": (3 * C, C), "attn_proj": (C, C), "fc": (4 * C, C), "mlp_proj": (C, 4 * C), "lm_head": (V, C)}
+    for batch in (1, 9):
+        session = Session(model, batch, 128, None, None, cuda_graph=False)
+        roles = launch_roles(model, session.step, batch, 64)
+        products = [(role, nbytes) for role, nbytes in roles if role in shapes]
+        assert [role for role, _ in products] == ["qkv", "attn_proj", "fc", "mlp_proj"] * model.config.n_layer + ["lm_head"]
+        for role, nbytes in products:
+            N, Kd = shapes[role]
+            assert nbytes == (N * Kd + batch * (N + Kd)) * s, role
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_packed_prefill_equals_each_prompt_alone(small, dtype, monkeypatch):
     """Prompts prefilled together (one forward over their tokens packed along time, or
