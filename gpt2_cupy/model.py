@@ -155,8 +155,9 @@ DECODE_PREFETCH_BATCHES = {768: 16, 1024: 4}
 # wall time a token of a 512-token call; benchmarks/results/pace_rule-h100.json): GPT-2 small
 # at batch 1 201.22 / 213.00 (calls 204.3 / 215.9), at batch 8 253.55 / 255.27, medium at batch
 # 1 467.73 / 506.08 (470.7 / 509.0); GPT-2 large paced as well lost, 1116.86 against 964.55.
-# Batches of 2 and 4, and bfloat16, take the rule without an A-B of their own (bfloat16 runs the
-# same kernels).
+# Batches 2 and 4, and bfloat16 (pace_batches-h100.json): small float16 at batch 2 207.42 /
+# 215.44, at 4 221.14 / 226.06, bfloat16 at 1 201.48 / 213.64, at 8 257.05 / 259.65; medium
+# float16 at 2 478.35 / 523.49, at 4 517.54 / 547.11, bfloat16 at 1 479.83 / 525.89.
 # Choosing it (the same measure, through a module constant of the launches by epilogue, branch
 # pacing-knob: pacing_small-h100.json, pacing_roles-h100.json): GPT-2 small at batch 1
 # 212.90 unpaced, 202.66 / 200.74 / 201.99 paced at 3000 / 2000 / 1500 GB/s (calls 214.8 /
