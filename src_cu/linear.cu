@@ -120,8 +120,22 @@ __device__ __forceinline__ void store_row(float* p, const float (&v)[VEC]) {
 
 }  // namespace
 
+// Blocks an SM linear_kernel is compiled to fit: 1 (without it, ptxas capped some tiles at 128
+// registers and spilled), but 2 for the LM head's tile (float rows of 16-byte vectors, 4 rows x
+// 2 loads, in many waves) at one row of x a pass. With the LayerNorm prologue that tile took
+// 133 registers, so one block an SM: each block of each wave normalized x before it used its
+// first loads, with no other block's loads to cover the wait. At 128 registers it does not
+// spill; four rows of x a pass (BR = 4) spill, and keep one. H100, float32, the decode step's
+// profile (benchmarks/results/lm_head_two_blocks-h100.json against lm_head_one_block-h100.json,
+// one run): GPT-2 small's LM head 55.4 against 77.4 us, the step with programmatic launch 337.1
+// against 357.7; medium 71.6 / 92.2 and 840.0 / 854.9; XL 114.6 / 141.2 and 3513.1 / 3537.6.
+template <int VEC, int RW, int U, int BR>
+constexpr int linear_min_blocks() {
+    return (VEC == 4 && RW == 4 && U == 2 && BR == 1) ? 2 : 1;
+}
+
 template <typename T, typename OutT, int VEC, int RW, int U, int BR, bool LN, int EPI>
-__global__ void __launch_bounds__(MAX_WARPS * 32, 1)  // (without the 1, ptxas capped some tiles at 128 registers and spilled)
+__global__ void __launch_bounds__(MAX_WARPS * 32, linear_min_blocks<VEC, RW, U, BR>())
     linear_kernel(OutT* y, const T* x, const T* __restrict__ W, const T* __restrict__ bias,
                   const T* __restrict__ ln_w, const T* __restrict__ ln_b, float eps, const T* res,
                   float* __restrict__ part_val, int* __restrict__ part_idx, T* __restrict__ k_cache,
