@@ -286,18 +286,6 @@ def _kernel_name(launch) -> str:
     return name[m.end():m.end() + int(m.group(1))] if m else name.split("<")[0]
 
 
-def _mma_param_index(*names: str) -> tuple[int, ...]:
-    """Where ``names`` stand among the tensor-core products' parameters (LINEAR_MMA_PARAMS of
-    src_cu/linear.cu), so that a parameter added to them does not shift what is read."""
-    macro = []
-    for line in (_build.SRC_DIR / "linear.cu").read_text().split("#define LINEAR_MMA_PARAMS", 1)[1].splitlines():
-        macro.append(line.rstrip().removesuffix("\\"))
-        if not line.rstrip().endswith("\\"):  # the macro's last line
-            break
-    params = [re.findall(r"\w+", p)[-1] for p in " ".join(macro).split(",")]
-    return tuple(params.index(n) for n in names)
-
-
 def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, int]]:
     """(role, bytes that must move) of each launch of a recorded decode step."""
     cfg = model.config
@@ -308,8 +296,7 @@ def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, in
     for launch in plan:
         name = _kernel_name(launch)
         if name in ("linear_kernel", "linear_mma_kernel", "linear_mma_ahead_kernel", "linear_mma_stream_kernel"):
-            at = (-2, -1) if name == "linear_kernel" else _mma_param_index("N", "K")
-            N, Kd = (int(launch.args[i]) for i in at)
+            N, Kd = int(launch.args[linear_mod.ARG_N]), int(launch.args[linear_mod.ARG_K])
             role = "lm_head" if N == cfg.vocab_size else layer[li % 4]
             li += role != "lm_head"
             roles.append((role, N * Kd * s + batch * (N + Kd) * s))

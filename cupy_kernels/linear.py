@@ -378,6 +378,11 @@ def _grid(N: int, tile, warps: int) -> int:
     return max(1, _build.cdiv(_build.cdiv(N, tile[0]), warps))
 
 
+# Every product kernel's arguments begin with _args's, which end with B, N, K: where a launch's N
+# and K stand (benchmarks/decode_step.py reads a recorded step's shapes there).
+ARG_N, ARG_K = 17, 18
+
+
 def _args(out, x, weight, bias, ln, res, part, kv, B, N, K):
     null = 0
     ln_w, ln_b, eps = ln if ln is not None else (null, null, 0.0)

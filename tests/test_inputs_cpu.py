@@ -182,3 +182,14 @@ def test_streamed_lm_head_takes_its_shapes():
     assert not take(64, N=3 * C) and not take(64, logits=False) and not take(64, tile=8)
     assert not take(64, xin=lin.X_LN)
     assert lin._stream_smem(C, kw, True) + lin._STREAM_STATIC_SMEM <= smem
+
+
+def test_product_arguments_hold_n_and_k_where_read():
+    """Every product kernel's arguments begin with linear._args's; ARG_N and ARG_K (where
+    benchmarks/decode_step.py reads a recorded launch's shape) point at its N and K."""
+    import importlib
+
+    lin = importlib.import_module("cupy_kernels.linear")
+    args = lin._args(None, 0, 0, None, None, None, None, None, 7, 2304, 768)
+    assert (int(args[lin.ARG_N]), int(args[lin.ARG_K])) == (2304, 768)
+    assert lin.ARG_K == len(args) - 1
