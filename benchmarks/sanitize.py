@@ -35,6 +35,10 @@ def main():
         K.softmax(r(2, 9, 13, dtype=dtype), causal=True)
         wte, wpe = r(100, 781, dtype=dtype), r(16, 781, dtype=dtype)
         K.embedding(cp.asarray([1, 99, 5], dtype=np.int32), wte, wpe, cp.asarray([0, 15, 3], dtype=np.int32))
+        if dtype != np.float32:  # with its rows' statistics: 16-byte vectors, a last set of 8 columns
+            wte, wpe = r(100, 776, dtype=dtype), r(16, 776, dtype=dtype)
+            K.embedding(cp.asarray([1, 99, 5], dtype=np.int32), wte, wpe, cp.asarray([0, 15, 3], dtype=np.int32),
+                        stats_out=cp.empty((3, 49, 2), np.float32))
         for T, D in ((1, 64), (67, 64), (130, 128)):
             qkv = r(2, T, 3, 2, D, dtype=dtype)
             K.causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])

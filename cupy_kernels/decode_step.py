@@ -26,8 +26,7 @@ ATTENTION_THREADS = (128,)  # decode_attention's block width the step runs: an a
 MAX_C = 1600  # decode_step.cu's STEP_MAX_C (GPT-2 XL)
 HEAD_DIM = 64
 # decode_step.cu's LayerPtr order: one row of pointers per block of the model
-LAYER_KEYS = ("attn_w", "attn_b", "attn_u", "attn_c", "proj_w", "proj_b", "fc_w", "fc_u", "fc_c", "mlp_w", "mlp_b",
-              "ln1_w", "ln1_b")
+LAYER_KEYS = ("attn_w", "attn_b", "attn_u", "attn_c", "proj_w", "proj_b", "fc_w", "fc_u", "fc_c", "mlp_w", "mlp_b")
 _LAYER_PTRS = 16
 
 _HALVES = [c for c in _build.CTYPES.values() if c != "float"]
@@ -89,8 +88,8 @@ def decode_step(tokens, positions, seq_lens, x, qkv, f, stats, k_cache, v_cache,
 
     ``layers``: per block, the arrays of LAYER_KEYS, with the LayerNorms folded into the
     products as the model folds them (``fold_layernorm``): attn_u / attn_c, fc_u / fc_c and
-    head_u / head_c float32; ln1_w / ln1_b the first block's LayerNorm (run before its
-    q|k|v product). ``split_keys``: keys per chunk of the cache in attention (as
+    head_u / head_c float32 (the first block's q|k|v folds its LayerNorm from the statistics of
+    the embedding's row, as the model's step does). ``split_keys``: keys per chunk of the cache in attention (as
     decode_attention's split_keys; every chunk is merged, one alone included) and
     ``attention_threads`` (its threads per block, 128 or 512): the step's attention then has
     decode_attention's bits. Launched on the current stream; records into a plan.
@@ -129,7 +128,7 @@ def decode_step(tokens, positions, seq_lens, x, qkv, f, stats, k_cache, v_cache,
             raise ValueError(f"{name} must be a contiguous {numpy.dtype(dtype)} array of shape {shape}")
     shapes = {"attn_w": (3 * C, C), "attn_b": (3 * C,), "attn_u": (3 * C,), "attn_c": (3 * C,), "proj_w": (C, C),
               "proj_b": (C,), "fc_w": (4 * C, C), "fc_u": (4 * C,), "fc_c": (4 * C,), "mlp_w": (C, 4 * C),
-              "mlp_b": (C,), "ln1_w": (C,), "ln1_b": (C,)}
+              "mlp_b": (C,)}
     table = numpy.zeros((L, _LAYER_PTRS), dtype=numpy.uint64)
     for i, layer in enumerate(layers):
         for j, key in enumerate(LAYER_KEYS):

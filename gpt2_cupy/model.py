@@ -171,6 +171,15 @@ DECODE_PREFETCH_BATCHES = {768: 16, 1024: 4}
 DECODE_PACE_GBPS = 2000
 DECODE_PACE_WIDTHS = (768, 1024)
 DECODE_PACE_BATCH = 8
+# The decode step's embedding also leaves its rows' statistics (embedding's stats_out), so that
+# the first q|k|v product folds its LayerNorm as every other product does, instead of each of
+# its blocks normalizing x in its prologue (16-bit models; the same function, other bits). In
+# the profile (benchmarks/results/decode_step-h100.json) that first product added 9.84 us to
+# GPT-2 small's step against 2.43 for the later ones, 18.35 against 6.78 for XL's. H100, us a
+# sweep of 512 replays from 8 cached keys on one session's buffers, with / without
+# (benchmarks/results/embed_stats-h100.json): GPT-2 small float16 198.83 / 201.10 at batch 1,
+# 250.24 / 252.82 at batch 8, medium 465.21 / 467.87, XL 1589.18 / 1597.32.
+DECODE_EMBED_STATS = True
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -529,10 +538,10 @@ class GPT2:
         long cache merged by the last block of a head), and three products. Bias, GELU, the
         residual add and the KV-cache append run in the products' epilogues, and so does
         LayerNorm in 16-bit models (folded into the weights; the products that update the
-        residual stream leave its row statistics, from which the next product's epilogue
-        normalizes), but for the first block's (its x comes from the embedding) and in float32
-        models: there each block of the product normalizes the rows itself up to 16
-        sequences, a launch of its own does it past that (the same bits)."""
+        residual stream, and the embedding, leave its row statistics, from which the next
+        product's epilogue normalizes), but in float32 models: there each block of the product
+        normalizes the rows itself up to 16 sequences, a launch of its own does it past that
+        (the same bits)."""
         cfg = self.config
         B, C, H, D, eps = buf.x.shape[0], cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
         qkv = buf.qkv.reshape(B, 1, 3, H, D)  # view: [B, T=1, 3, H, D]
@@ -563,15 +572,17 @@ class GPT2:
         def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm
             return dict(ln_fold=(stats, u, c, eps)) if folded else dict(bias=b, ln=ln)
 
-        if self.fused_step and B == 1 and sampling is None and cache.k_scale is None and self.folded:
+        if (self.fused_step and B == 1 and sampling is None and cache.k_scale is None and self.folded
+                and DECODE_EMBED_STATS):  # (the fused step's layer 0 folds, as record_step's with it)
             why = K.decode_step_unsupported(self.dtype, C, H, threads)
             if why is None:
                 return self._record_fused_step(cache, buf)
         with _build.recording() as plan:
-            K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x)
+            embed_stats = stats if DECODE_EMBED_STATS else None
+            K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x, stats_out=embed_stats)
             for i, blk in enumerate(self.blocks):
                 qkv_in = normalized(blk.attn_b, (blk.ln_1_w, blk.ln_1_b, eps), blk.attn_u, blk.attn_c,
-                                    stats is not None and i > 0)  # (the embedding leaves no statistics)
+                                    stats is not None and (i > 0 or embed_stats is not None))
                 if cache.k_scale is None:  # keys and values go into the cache from the product's epilogue
                     K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, **qkv_in,
                              kv_cache={"k_cache": cache.k[i], "v_cache": cache.v[i], "positions": cache.positions,
@@ -636,10 +647,9 @@ class GPT2:
         """Launch (or record) the fused decode step on ``cache`` and ``buf`` (one sequence);
         ``trace``: its timeline buffer (cupy_kernels.decode_step)."""
         split_keys, threads = self._decode_attention_shape(cache)
-        first = self.blocks[0]
         layers = [{"attn_w": b.attn_w, "attn_b": b.attn_b, "attn_u": b.attn_u, "attn_c": b.attn_c,
                    "proj_w": b.attn_proj_w, "proj_b": b.attn_proj_b, "fc_w": b.fc_w, "fc_u": b.fc_u, "fc_c": b.fc_c,
-                   "mlp_w": b.mlp_proj_w, "mlp_b": b.mlp_proj_b, "ln1_w": first.ln_1_w, "ln1_b": first.ln_1_b}
+                   "mlp_w": b.mlp_proj_w, "mlp_b": b.mlp_proj_b}
                   for b in self.blocks]
         K.decode_step(buf.tokens, cache.positions, cache.lengths, buf.x, buf.qkv, buf.f, buf.stats, cache.k, cache.v,
                       layers, self.wte, self.wpe, self.lm_head, self.head_u, self.head_c,

@@ -17,7 +17,7 @@
 // linear.cu's tensor-core products at one row of x (the same KW warps a tile, each taking every
 // KW-th chunk of 32 columns in order, mma.sync m16n8k16, the warps' partial tiles added in warp
 // order; the folded LayerNorm's epilogue and row statistics from linear.cuh), attention and
-// its merge are decode_attention.cuh's, the first LayerNorm is ln_row.
+// its merge are decode_attention.cuh's, the embedding's row statistics embedding.cu's (set_stats).
 //
 // Mapping: a block of 8 consumer warps and one producer warp per SM. The producer streams
 // every weight of the step, in the consumers' order, through a ring of 34 KiB stages in shared
@@ -90,7 +90,7 @@ constexpr int HEAD_TILES = 3 * HEAD_DIM / 16;         // q|k|v tiles of one head
 // Pointers of one block's weights, as the wrapper lays them out (uint64 each).
 enum LayerPtr : int {
     L_ATTN_W = 0, L_ATTN_B, L_ATTN_U, L_ATTN_C, L_PROJ_W, L_PROJ_B, L_FC_W, L_FC_U, L_FC_C, L_MLP_W, L_MLP_B,
-    L_LN1_W, L_LN1_B, LAYER_PTRS = 16
+    LAYER_PTRS = 16
 };
 enum StepEpi : int { E_QKV = 0, E_GELU = 1, E_RESIDUAL = 2, E_ARGMAX = 3 };
 
@@ -245,6 +245,7 @@ template <typename T> struct Product {
     const float* fold_c;
     const T* bias;
     int start;           // Stream's start
+    bool sets_shared = false;  // X_LN_FOLD: x's statistics sets in sh.sets already (else from e.stats)
 };
 
 struct StepShared {
@@ -302,7 +303,7 @@ __device__ __forceinline__ void product_phase(const Product<T>& p, const Epilogu
     tr.mark();
     prologue();
     const int n_sets = (p.K + 15) / 16;
-    if (fold) {  // the statistics the last RESIDUAL product left of the row
+    if (fold && !p.sets_shared) {  // the statistics the last RESIDUAL product left of the row
         for (int i = threadIdx.x; i < n_sets; i += STEP_THREADS) sh.sets[i] = __ldcg(e.stats + i);
     }
     if (!p.x_shared) {  // x (written by other SMs in this launch) through L2
@@ -520,21 +521,24 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
     float best = -INFINITY;
     int best_n = -1;
 
-    // embedding, and layer 0's LayerNorm, in every block (embedding.cu's and ln_row's bits)
-    for (int i = threadIdx.x * 8; i < C; i += STEP_THREADS * 8) {
-        float a[8], b[8];
-        load_vec<T, 8>(wte + static_cast<long long>(tok) * C + i, a);
-        load_vec<T, 8>(wpe + static_cast<long long>(pos) * C + i, b);
+    // embedding and its statistics sets, in every block (embedding.cu's STATS bits): layer 0's
+    // q|k|v folds its LayerNorm from them, as every later product does
+    for (int j = threadIdx.x; j < C / 16; j += STEP_THREADS) {
+        float v[16];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) a[j] += b[j];
-        store_vec<T, 8>(xs + i, a);
-        if (blockIdx.x == 0) store_vec<T, 8>(x + i, a);  // the residual stream
-    }
-    consumers_sync();
-    if (warp == 0) {
-        const T* lw = reinterpret_cast<const T*>(layers[L_LN1_W]);
-        const T* lb = reinterpret_cast<const T*>(layers[L_LN1_B]);
-        ln_row(xs, xs, xs, lw, lb, eps, C, lane);
+        for (int h = 0; h < 2; ++h) {
+            const int i = 16 * j + 8 * h;
+            float a[8], b[8];
+            load_vec<T, 8>(wte + static_cast<long long>(tok) * C + i, a);
+            load_vec<T, 8>(wpe + static_cast<long long>(pos) * C + i, b);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) a[k] += b[k];
+            store_vec<T, 8>(xs + i, a);
+            if (blockIdx.x == 0) store_vec<T, 8>(x + i, a);  // the residual stream
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[8 * h + k] = to_float(from_float<T>(a[k]));
+        }
+        sh.sets[j] = set_stats(v, 16);
     }
     consumers_sync();
 
@@ -542,14 +546,14 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
         const unsigned long long* P = layers + static_cast<long long>(l) * LAYER_PTRS;
         T* kc = k_cache + l * layer_kv;
         T* vc = v_cache + l * layer_kv;
-        // q|k|v (+ the cache append); layer 0 on the normalized row in shared memory
+        // q|k|v (+ the cache append); layer 0 on the embedding's row and sets in shared memory
         {
             Product<T> p{reinterpret_cast<const T*>(P[L_ATTN_W]), 3 * C, C, kw_c, x, l == 0,
                          reinterpret_cast<const float*>(P[L_ATTN_U]), reinterpret_cast<const float*>(P[L_ATTN_C]),
-                         reinterpret_cast<const T*>(P[L_ATTN_B]), start};
+                         reinterpret_cast<const T*>(P[L_ATTN_B]), start, l == 0};
             start = Stream(3 * C, C, kw_c, start).next_start();
             Epilogue<T> e{qkv, kc, vc, H, S_max, pos, stats, head_ready};
-            product_phase<T, E_QKV>(p, e, sh, xs, ring, n_stages, k, count, target, l > 0, eps, best, best_n, tr, [] {});
+            product_phase<T, E_QKV>(p, e, sh, xs, ring, n_stages, k, count, target, true, eps, best, best_n, tr, [] {});
         }
         // attention: (head, split) items, a part of the block each, once the head's tiles are
         // done (no grid barrier)

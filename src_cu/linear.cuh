@@ -32,6 +32,33 @@ __device__ __forceinline__ float unfold_ln(float s, float mean, float u, float r
     return __fmul_rn(__fmaf_rn(-mean, u, s), rstd);
 }
 
+// The statistics set of n <= 16 values as stored (v[i] = 0 for i >= n): their mean and the sum
+// of their squared deviations from it, with the arithmetic of the RESIDUAL epilogue, whose 16
+// lanes add lane i + off into lane i for off = 8, 4, 2, 1 (here in registers): the embedding
+// leaves its rows' sets (embedding.cu) with the bits a residual product would.
+__device__ __forceinline__ float2 set_stats(const float (&v)[16], int n) {
+    float s[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = v[i];
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) {
+#pragma unroll
+        for (int i = 0; i < off; ++i) s[i] = __fadd_rn(s[i], s[i + off]);
+    }
+    const float mu = __fdividef(s[0], static_cast<float>(n));
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const float d = i < n ? __fsub_rn(v[i], mu) : 0.0f;
+        s[i] = __fmul_rn(d, d);
+    }
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) {
+#pragma unroll
+        for (int i = 0; i < off; ++i) s[i] = __fadd_rn(s[i], s[i + off]);
+    }
+    return make_float2(mu, s[0]);
+}
+
 constexpr int LN_VECS = 4;  // 16-byte vectors of a LayerNorm row a lane loads at once
 
 // Row statistics in sets: the RESIDUAL epilogue leaves, per block and row, the mean and the

@@ -102,8 +102,7 @@ def test_fused_step_rejects_bad_shapes():
     blk = model.blocks[0]
     layer = {"attn_w": blk.attn_w, "attn_b": blk.attn_b, "attn_u": blk.attn_u, "attn_c": blk.attn_c,
              "proj_w": blk.attn_proj_w, "proj_b": blk.attn_proj_b, "fc_w": blk.fc_w, "fc_u": blk.fc_u,
-             "fc_c": blk.fc_c, "mlp_w": blk.mlp_proj_w, "mlp_b": blk.mlp_proj_b, "ln1_w": blk.ln_1_w,
-             "ln1_b": blk.ln_1_b}
+             "fc_c": blk.fc_c, "mlp_w": blk.mlp_proj_w, "mlp_b": blk.mlp_proj_b}
     args = (buf.tokens[:1], cache.positions[:1], cache.lengths[:1])
     with pytest.raises(ValueError, match="one sequence"):
         K.decode_step(*args, buf.x, buf.qkv, buf.f, buf.stats, cache.k, cache.v, [layer], model.wte, model.wpe,

@@ -83,6 +83,20 @@ def test_softmax(shape, causal, dtype):
     check(out, ref.softmax(xh, scale=0.125, causal=causal), dtype)
 
 
+def check_row_sets(stats, rows):
+    """Row statistics sets (linear's stats_out) against float64: each 16 columns' mean and sum
+    of squared deviations, of the rows as stored."""
+    y = rows.astype(cp.float32).get().astype(np.float64)
+    assert stats.shape == (y.shape[0], -(-y.shape[1] // 16), 2)
+    for j in range(stats.shape[1]):
+        part = y[:, 16 * j:16 * j + 16]
+        mean = part.mean(axis=1)
+        scale = np.abs(part).max() + 1e-30
+        np.testing.assert_allclose(stats[:, j, 0].get(), mean, rtol=0, atol=1e-6 * scale)
+        np.testing.assert_allclose(stats[:, j, 1].get(), ((part - mean[:, None]) ** 2).sum(axis=1), rtol=1e-5,
+                                   atol=1e-9 * scale**2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n,C", [(1, 768), (7, 1600), (1024, 768), (5, 781)])
 def test_embedding(n, C, dtype):
@@ -95,6 +109,35 @@ def test_embedding(n, C, dtype):
     out = poisoned((n, C), dtype)
     K.embedding(cp.asarray(ids_h), wte, wpe, cp.asarray(pos_h), out=out)
     check(out, ref.embedding(ids_h, wteh, wpeh, pos_h), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+@pytest.mark.parametrize("n,C", [(1, 768), (7, 1600), (3, 776), (64, 1024)])
+def test_embedding_stats(n, C, dtype):
+    """stats_out: each 16 columns' mean and sum of squared deviations of the rows as stored
+    (C = 776: a last set of 8), against float64, and bit for bit what a product's residual
+    epilogue leaves for the same rows (y = x + 0 W^T + 0); a row's bits alone."""
+    rng = np.random.default_rng(n * C)
+    V, P = 1000, 1024
+    wte, _ = rand(rng, (V, C), dtype)
+    wpe, _ = rand(rng, (P, C), dtype)
+    ids = cp.asarray(rng.integers(0, V, n).astype(np.int32))
+    pos = cp.asarray(rng.integers(0, P, n).astype(np.int32))
+    sets = -(-C // 16)
+    plain = poisoned((n, C), dtype)
+    K.embedding(ids, wte, wpe, pos, out=plain)
+    out, stats = poisoned((n, C), dtype), cp.full((n, sets, 2), np.nan, dtype=np.float32)
+    K.embedding(ids, wte, wpe, pos, out=out, stats_out=stats)
+    assert cp.array_equal(out, plain)
+    check_row_sets(stats, out)
+    res, by_product = out.copy(), cp.full((n, sets, 2), np.nan, dtype=np.float32)
+    K.linear(cp.zeros((n, 64), dtype), cp.zeros((C, 64), dtype), cp.zeros(C, dtype), residual=res, out=res,
+             stats_out=by_product)
+    assert cp.array_equal(res, out)
+    assert cp.array_equal(stats, by_product)
+    alone = cp.full((1, sets, 2), np.nan, dtype=np.float32)
+    K.embedding(ids[n - 1:], wte, wpe, pos[n - 1:], out=poisoned((1, C), dtype), stats_out=alone)
+    assert cp.array_equal(alone[0], stats[n - 1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -348,14 +391,7 @@ def test_linear_layernorm_folded(B, K1, C, N, dtype):
     stats = cp.full((B, -(-C // 16), 2), np.nan, dtype=np.float32)
     K.linear(x, w, b, residual=res, out=res, stats_out=stats)
     check(res, expect_y, dtype)
-    y = res.astype(cp.float32).get().astype(np.float64)
-    for j in range(stats.shape[1]):
-        part = y[:, 16 * j:16 * j + 16]
-        mean = part.mean(axis=1)
-        scale = np.abs(part).max() + 1e-30
-        np.testing.assert_allclose(stats[:, j, 0].get(), mean, rtol=0, atol=1e-6 * scale)
-        np.testing.assert_allclose(stats[:, j, 1].get(), ((part - mean[:, None]) ** 2).sum(axis=1), rtol=1e-5,
-                                   atol=1e-9 * scale**2)
+    check_row_sets(stats, res)
     alone = cp.full((1, stats.shape[1], 2), np.nan, dtype=np.float32)
     K.linear(x[B - 1:], w, b, residual=res_alone, out=res_alone, stats_out=alone)
     assert cp.array_equal(alone[0], stats[B - 1])
@@ -773,6 +809,14 @@ def test_bad_inputs_raise_before_launch():
     with pytest.raises(TypeError, match="ids"):
         K.embedding(cp.zeros(3, dtype=np.int64), cp.ones((10, 8), np.float32), cp.ones((10, 8), np.float32),
                     cp.zeros(3, dtype=np.int32))
+    ids, half = cp.zeros(3, dtype=np.int32), cp.ones((10, 16), np.float16)
+    with pytest.raises(TypeError, match="stats_out"):  # float32 rows
+        K.embedding(ids, cp.ones((10, 16), np.float32), cp.ones((10, 16), np.float32), ids,
+                    stats_out=cp.zeros((3, 1, 2), np.float32))
+    with pytest.raises(ValueError, match="stats_out"):  # sets of 16 columns: [3, 1, 2]
+        K.embedding(ids, half, half, ids, stats_out=cp.zeros((3, 2, 2), np.float32))
+    with pytest.raises(TypeError, match="stats_out"):
+        K.embedding(ids, half, half, ids, stats_out=cp.zeros((3, 1, 2), np.float16))
     with pytest.raises(ValueError, match="temperature"):
         K.sample(x, seed=1, temperature=0.0)
     with pytest.raises(ValueError, match="top_p"):
