@@ -85,7 +85,7 @@ def test_softmax(shape, causal, dtype):
 
 def check_row_sets(stats, rows):
     """Row statistics sets (linear's stats_out) against float64: each 16 columns' mean and sum
-    of squared deviations, of the rows as stored."""
+    of squared deviations, of the rows as stored; returns those rows in float64."""
     y = rows.astype(cp.float32).get().astype(np.float64)
     assert stats.shape == (y.shape[0], -(-y.shape[1] // 16), 2)
     for j in range(stats.shape[1]):
@@ -95,6 +95,7 @@ def check_row_sets(stats, rows):
         np.testing.assert_allclose(stats[:, j, 0].get(), mean, rtol=0, atol=1e-6 * scale)
         np.testing.assert_allclose(stats[:, j, 1].get(), ((part - mean[:, None]) ** 2).sum(axis=1), rtol=1e-5,
                                    atol=1e-9 * scale**2)
+    return y
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -391,7 +392,7 @@ def test_linear_layernorm_folded(B, K1, C, N, dtype):
     stats = cp.full((B, -(-C // 16), 2), np.nan, dtype=np.float32)
     K.linear(x, w, b, residual=res, out=res, stats_out=stats)
     check(res, expect_y, dtype)
-    check_row_sets(stats, res)
+    y = check_row_sets(stats, res)
     alone = cp.full((1, stats.shape[1], 2), np.nan, dtype=np.float32)
     K.linear(x[B - 1:], w, b, residual=res_alone, out=res_alone, stats_out=alone)
     assert cp.array_equal(alone[0], stats[B - 1])
