@@ -300,7 +300,7 @@ def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, in
             role = "lm_head" if N == cfg.vocab_size else layer[li % 4]
             li += role != "lm_head"
             roles.append((role, N * Kd * s + batch * (N + Kd) * s))
-        elif name == "decode_attention_kernel":
+        elif name in ("decode_attention_kernel", "fixed_attention_kernel"):
             roles.append(("attention", 2 * batch * H * cache_rows * D * s))
         elif name == "decode_attention_merge_kernel":
             roles.append(("attention_merge", batch * C * s))

@@ -10,6 +10,7 @@ from .decode_attention import decode_attention
 from .decode_step import decode_step
 from .decode_step import unsupported as decode_step_unsupported
 from .embedding import embedding
+from .fixed_attention import fixed_attention
 from .flash_attention import flash_attention
 from .gemm import gemm
 from .gelu import bias_add, bias_gelu
@@ -29,6 +30,7 @@ __all__ = [
     "decode_step",
     "decode_step_unsupported",
     "embedding",
+    "fixed_attention",
     "flash_attention",
     "fold_layernorm",
     "gemm",

@@ -47,6 +47,13 @@ def int_array(x, name: str, ndim: int | None = None) -> cupy.ndarray:
     return a
 
 
+def int_vector(x, name: str, n: int) -> cupy.ndarray:
+    """``int_array`` of shape [n] (one index or length per sequence)."""
+    a = int_array(x, name, ndim=1)
+    check_shape(a, name, (n,))
+    return a
+
+
 def check_ndim(a, name: str, ndim) -> None:
     if ndim is None:
         return

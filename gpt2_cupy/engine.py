@@ -185,9 +185,11 @@ class Engine:
         self._sessions: collections.OrderedDict[tuple, list[Session]] = collections.OrderedDict()
 
     def _key(self, B: int, n_max: int, kv_dtype, sampling, cuda_graph) -> tuple:
-        """The session bucket of a call: (batch rows, cache rows, kv dtype, sampling, graph)."""
+        """The session bucket of a call: (batch rows, cache rows, kv dtype, sampling, graph, the
+        model's fused_step, which changes the step it records)."""
         return (batch_bucket(B), length_bucket(n_max, self.model.config.n_positions), kv_dtype,
-                None if sampling is None else tuple(sorted(sampling.items())), bool(cuda_graph))
+                None if sampling is None else tuple(sorted(sampling.items())), bool(cuda_graph),
+                bool(self.model.fused_step))
 
     def _acquire(self, B: int, n_max: int, kv_dtype, sampling, cuda_graph) -> Session:
         key = self._key(B, n_max, kv_dtype, sampling, cuda_graph)

@@ -25,6 +25,8 @@ import numpy
 import cupy_kernels as K
 from cupy_kernels import _build
 from cupy_kernels.decode_attention import AHEAD_DEEP, launch_config
+from cupy_kernels.fixed_attention import HEAD_DIM as FIXED_HEAD_DIM
+from cupy_kernels.fixed_attention import MAX_KEYS as FIXED_MAX_KEYS
 
 from .config import SIZES, GPT2Config
 
@@ -180,6 +182,24 @@ DECODE_PACE_BATCH = 8
 # (benchmarks/results/embed_stats-h100.json): GPT-2 small float16 198.83 / 201.10 at batch 1,
 # 250.24 / 252.82 at batch 8, medium 465.21 / 467.87, XL 1589.18 / 1597.32.
 DECODE_EMBED_STATS = True
+# The decode step's attention in 16-bit models with 16-bit caches (head_dim 64, at most 1,024
+# positions): fixed_attention, whose bits do not depend on its block width, so that the width
+# follows the batch (DECODE_FIXED_THREADS: (most sequences, threads), the first that holds B).
+# decode_attention's bits depend on its width and chunks, so one of them had to serve every
+# batch: 128 threads, where 512 won at batch 1 and lost at 8 (_decode_attention_shape). H100,
+# float16, us a sweep of 512 replays from 8 cached keys on one session's buffers, against
+# decode_attention (benchmarks/results/fixed_attention_onepass*-h100.json): GPT-2 small at batch
+# 1 192.24 (512 threads) / 199.71 (256) against 199.85 (512-token calls 193.9 against 202.0 us a
+# token), batch 2 194.48 / 202.61 against 206.17, batch 8 247.34 (512) / 247.28 (256) / 256.71
+# (128) against 248.02, batch 64 675.48 / 614.01 / 607.06 against 617.84; GPT-2 XL at batch 1
+# 1597.23 / 1597.50 against 1590.56 (its decode_attention requests 4 trips ahead), batch 8
+# 1998.80 / 1915.01 / 1962.87 against 1978.58. The rule as taken (fixed_threads_*-h100.json):
+# GPT-2 small at batch 4 219.04 (512) / 223.73 (256) against 216.03, batch 16 311.95 (256) /
+# 327.66 (128) against 321.32, batch 32 413.95 (128) / 424.91 (256) against 427.59; GPT-2 medium
+# at batch 1 451.00 against 461.76. With model.fused_step on, every batch keeps decode_attention:
+# the persistent kernel computes its bits.
+DECODE_FIXED_ATTENTION = True
+DECODE_FIXED_THREADS = ((4, 512), (16, 256), (None, 128))
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -528,15 +548,24 @@ class GPT2:
             if positions is not None:
                 K.kv_advance(positions)
 
-    def record_step(self, cache: KVCache, buf, sampling) -> _build.Plan:
+    def fixed_attention(self, cache: KVCache) -> bool:
+        """Whether the decode step's attention on ``cache`` is fixed_attention (DECODE_FIXED_ATTENTION):
+        a function of the model and the cache dtype alone, never of the batch or the cache bucket."""
+        cfg = self.config
+        return bool(DECODE_FIXED_ATTENTION and self.dtype.itemsize == 2 and cache.k.dtype == self.dtype
+                    and cfg.head_dim == FIXED_HEAD_DIM and cfg.n_positions <= FIXED_MAX_KEYS and not self.fused_step)
+
+    def record_step(self, cache: KVCache, buf, sampling, fused: bool | None = None) -> _build.Plan:
         """The decode step as a launch plan over preallocated buffers (``buf``: tokens
         [B] int32, x [B, C] the residual stream, qkv [B, 3C], att [B, H, D], f [B, 4C],
         logits [B, V] float32, offsets [B] uint64): embed the tokens, run every block on
-        the cached keys / values, LM head, next tokens, advance the positions.
+        the cached keys / values, LM head, next tokens, advance the positions. ``fused``
+        (default: ``self.fused_step``): the persistent kernel where it applies.
 
-        Five launches a block (six with a quantized cache): q|k|v, attention (the chunks of a
-        long cache merged by the last block of a head), and three products. Bias, GELU, the
-        residual add and the KV-cache append run in the products' epilogues, and so does
+        Five launches a block (six with a quantized cache): q|k|v, attention (fixed_attention
+        in 16-bit models with 16-bit caches, its block width by batch; else decode_attention,
+        the chunks of a long cache merged by the last block of a head), and three products.
+        Bias, GELU, the residual add and the KV-cache append run in the products' epilogues, and so does
         LayerNorm in 16-bit models (folded into the weights; the products that update the
         residual stream, and the embedding, leave its row statistics, from which the next
         product's epilogue normalizes), but in float32 models: there each block of the product
@@ -545,8 +574,8 @@ class GPT2:
         cfg = self.config
         B, C, H, D, eps = buf.x.shape[0], cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
         qkv = buf.qkv.reshape(B, 1, 3, H, D)  # view: [B, T=1, 3, H, D]
-        # one chunk rule and block width for every batch and cache bucket, so that a
-        # sequence's numbers (and tokens) depend neither on what it is batched with nor on the
+        # decode_attention: one chunk rule and block width for every batch and cache bucket, so
+        # that a sequence's numbers (and tokens) depend neither on what it is batched with nor on the
         # bucket: the block width decode_attention picks for one sequence in the model's full
         # length (512 threads on a float32 cache: _decode_attention_shape), equal chunks of
         # at most DECODE_SPLIT_KEYS keys merged by the last block of a head (three equal
@@ -572,8 +601,10 @@ class GPT2:
         def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm
             return dict(ln_fold=(stats, u, c, eps)) if folded else dict(bias=b, ln=ln)
 
-        if (self.fused_step and B == 1 and sampling is None and cache.k_scale is None and self.folded
-                and DECODE_EMBED_STATS):  # (the fused step's layer 0 folds, as record_step's with it)
+        fixed = next(t for most, t in DECODE_FIXED_THREADS if most is None or B <= most) \
+            if self.fixed_attention(cache) else 0  # its threads a block
+        if ((self.fused_step if fused is None else fused) and B == 1 and sampling is None and cache.k_scale is None
+                and self.folded and DECODE_EMBED_STATS):  # (the fused step's layer 0 folds, as record_step's with it)
             why = K.decode_step_unsupported(self.dtype, C, H, threads)
             if why is None:
                 return self._record_fused_step(cache, buf)
@@ -593,9 +624,13 @@ class GPT2:
                     K.kv_append(k=qkv[:, :, 1], v=qkv[:, :, 2], start=cache.positions, seq_lens=cache.lengths,
                                 **cache.layer(i))
                     appended = None
-                K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, split_keys=split_keys,
-                                   threads=threads, appended=appended, ahead=ahead, out=buf.att,
-                                   warm=self._decode_warm(blk, B), prefetch=prefetch, **cache.layer(i))
+                if fixed:
+                    K.fixed_attention(qkv[:, 0, 0], cache.k[i], cache.v[i], cache.lengths, threads=fixed,
+                                      positions=cache.positions, out=buf.att)
+                else:
+                    K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, split_keys=split_keys,
+                                       threads=threads, appended=appended, ahead=ahead, out=buf.att,
+                                       warm=self._decode_warm(blk, B), prefetch=prefetch, **cache.layer(i))
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x,
                          stats_out=stats)
                 K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f, pace=pace,

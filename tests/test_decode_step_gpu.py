@@ -1,5 +1,7 @@
 """The fused decode step (one persistent kernel) against the kernel-by-kernel step: the same
-bits in the residual stream, the KV cache, the row statistics and the tokens."""
+bits in the residual stream, the KV cache, the row statistics and the tokens. With
+``fused_step`` on, the kernel-by-kernel step (every batch) keeps decode_attention, whose bits
+the persistent kernel computes."""
 
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ def random_model(dtype, n_layer=3, n_head=12, seed=0, perturb=True) -> GPT2:
 
 def run_steps(model: GPT2, prompt, steps: int, fused: bool, max_len: int = 256):
     """Prefill ``prompt`` into a fresh cache, then ``steps`` decode steps with the fused or
-    the kernel-by-kernel step; returns the tokens and the final state."""
-    model.fused_step = fused
+    the kernel-by-kernel step (of a model with fused_step on); returns the tokens and the
+    final state."""
+    model.fused_step = True
     buf = DecodeBuffers(model.config, 1, model.dtype)
     cache = KVCache(model.config, 1, max_len, model.dtype)
     cache.k.fill(np.nan)  # rows the step must not read, poisoned
@@ -48,7 +51,7 @@ def run_steps(model: GPT2, prompt, steps: int, fused: bool, max_len: int = 256):
     with _build.recording() as head:
         model.head(buf, None)
     head.replay()
-    plan = model.record_step(cache, buf, None)
+    plan = model.record_step(cache, buf, None, fused=fused)
     tokens = [int(buf.tokens.get()[0])]
     for _ in range(steps):
         plan.replay()
@@ -80,17 +83,18 @@ def test_fused_step_bits_equal_the_kernel_by_kernel_step(dtype, n_head, n_layer)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_fused_step_generate_equals_batched(dtype):
     """generate() of one prompt (fused step, CUDA graph) equals the same prompt in a batch
-    (kernel-by-kernel step) and the kernel-by-kernel step alone, also across calls."""
+    (kernel-by-kernel step) with fused_step on; with it off again, the step's own attention:
+    a prompt alone equals it in a batch, also across calls."""
     model = random_model(dtype, n_layer=4)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 50257, int(n)).tolist() for n in (5, 90, 17)]
-    batched = model.generate(prompts, 60)
     model.fused_step = True
+    batched = model.generate(prompts, 60)
     alone = [model.generate(p, 60) for p in prompts]
     assert alone == batched
     assert [model.generate(p, 60, cuda_graph=False) for p in prompts] == batched
     model.fused_step = False
-    model._engine = None
+    batched = model.generate(prompts, 60)
     assert [model.generate(p, 60) for p in prompts] == batched
 
 

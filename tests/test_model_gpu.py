@@ -113,11 +113,13 @@ def test_batch_equals_one_by_one_on_tensor_cores(small, dtype):
 def test_attention_trips_ahead_keep_the_tokens(small, dtype, monkeypatch):
     """The decode step's attention with AHEAD_DEEP trips ahead (chosen for batches of up to
     DECODE_AHEAD_BATCH of wide models; here for GPT-2 small) gives each sequence, alone and
-    in pairs, the tokens it gets in a batch of four run one trip ahead."""
+    in pairs, the tokens it gets in a batch of four run one trip ahead. (decode_attention is the
+    step's attention with fixed_attention off: quantized caches, a model with fused_step on.)"""
     import cupy_kernels as K
     import gpt2_cupy.model as M
     from cupy_kernels.decode_attention import AHEAD_DEEP
 
+    monkeypatch.setattr(M, "DECODE_FIXED_ATTENTION", False)
     hf, _ = small
     model = GPT2.from_hf(hf, dtype)
     rng = np.random.default_rng(11)
@@ -139,14 +141,49 @@ def test_attention_trips_ahead_keep_the_tokens(small, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fixed_attention_width_follows_the_batch(small, dtype, monkeypatch):
+    """16-bit models with 16-bit caches decode with fixed_attention, its block width by batch
+    (DECODE_FIXED_THREADS), and each sequence gets the tokens it gets alone; a quantized cache
+    and a model with fused_step on keep decode_attention."""
+    import cupy_kernels as K
+    import gpt2_cupy.model as M
+
+    hf, _ = small
+    model = GPT2.from_hf(hf, dtype)
+    rng = np.random.default_rng(14)
+    prompts = [rng.integers(0, 50257, int(n)).tolist() for n in rng.integers(1, 60, 20)]
+    seen, real = [], K.fixed_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["threads"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(K, "fixed_attention", spy)
+    alone = [model.generate(p, 30) for p in prompts[:3]]
+    assert set(seen) == {M.DECODE_FIXED_THREADS[0][1]}
+    for rows in (9, 20):
+        seen.clear()
+        assert model.generate(prompts[:rows], 30)[:3] == alone
+        bucket = 1 << (rows - 1).bit_length()
+        assert set(seen) == {next(t for most, t in M.DECODE_FIXED_THREADS if most is None or bucket <= most)}
+    seen.clear()
+    model.generate(prompts[:2], 5, kv_cache_dtype="int8")
+    model.fused_step = True
+    model.generate(prompts[:2], 5)
+    assert not seen
+    model.fused_step = False
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_attention_l2_warm_keeps_the_tokens(small, dtype, monkeypatch):
     """The decode step's attention reading part of the MLP down's weight into L2 (chosen at
     batches of up to DECODE_WARM_BATCH for GPT-2 medium and large; here for GPT-2 small) gives
     each prompt, alone and in a pair, the tokens it gets in a batch of three, which warms
-    nothing."""
+    nothing. (With fixed_attention off, as above.)"""
     import cupy_kernels as K
     import gpt2_cupy.model as M
 
+    monkeypatch.setattr(M, "DECODE_FIXED_ATTENTION", False)
     hf, _ = small
     model = GPT2.from_hf(hf, dtype)
     rng = np.random.default_rng(12)
