@@ -15,6 +15,8 @@ import numpy as np
 import cupy_kernels as K
 from cupy_kernels import _build
 from cupy_kernels.decode_attention import AHEAD_DEEP
+from cupy_kernels.fixed_attention import HEAD_DIM as FIXED_HEAD_DIM
+from cupy_kernels.fixed_attention import THREADS as FIXED_THREADS
 
 
 def main():
@@ -68,6 +70,11 @@ def main():
                 for keys in (None, 40):
                     K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32), split_keys=keys,
                                        threads=128, appended=(qkv[:, 0, 1], qkv[:, 0, 2]), ahead=AHEAD_DEEP)
+            if np.dtype(dtype).itemsize == 2 and D == FIXED_HEAD_DIM:  # fixed_attention at every width,
+                lens = cp.asarray([1, T + 5], dtype=np.int32)  # and with the rows below positions before the wait
+                for threads in FIXED_THREADS:
+                    K.fixed_attention(qkv[:, 0, 0], kc, vc, lens, threads=threads)
+                    K.fixed_attention(qkv[:, 0, 0], kc, vc, lens, threads=threads, positions=lens - 1)
             # L2 warm-up blocks beside the attention: one chunk and chunks of 40 (the last merges)
             for keys in (None, 40):
                 K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32), split_keys=keys,
