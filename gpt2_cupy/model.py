@@ -548,7 +548,7 @@ class GPT2:
             if positions is not None:
                 K.kv_advance(positions)
 
-    def fixed_attention(self, cache: KVCache) -> bool:
+    def uses_fixed_attention(self, cache: KVCache) -> bool:
         """Whether the decode step's attention on ``cache`` is fixed_attention (DECODE_FIXED_ATTENTION):
         a function of the model and the cache dtype alone, never of the batch or the cache bucket."""
         cfg = self.config
@@ -602,7 +602,7 @@ class GPT2:
             return dict(ln_fold=(stats, u, c, eps)) if folded else dict(bias=b, ln=ln)
 
         fixed = next(t for most, t in DECODE_FIXED_THREADS if most is None or B <= most) \
-            if self.fixed_attention(cache) else 0  # its threads a block
+            if self.uses_fixed_attention(cache) else 0  # its threads a block
         if ((self.fused_step if fused is None else fused) and B == 1 and sampling is None and cache.k_scale is None
                 and self.folded and DECODE_EMBED_STATS):  # (the fused step's layer 0 folds, as record_step's with it)
             why = K.decode_step_unsupported(self.dtype, C, H, threads)
