@@ -13,6 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled")]
 
 cp = pytest.importorskip("cupy")
 import cupy_kernels as K  # noqa: E402
+from cupy_kernels import reference as ref  # noqa: E402
 from cupy_kernels.fixed_attention import THREADS  # noqa: E402
 from gpu_util import check, poisoned, rand  # noqa: E402
 
@@ -23,17 +24,6 @@ def dtype_of(name):
     from cupy_kernels import _build
 
     return _build.BFLOAT16 if name == "bfloat16" else np.dtype(name)
-
-
-def reference(q, k, v, lens):
-    """float64 softmax(q . k / 8) v over each sequence's first lens[b] rows."""
-    B, H, D = q.shape
-    out = np.zeros((B, H, D))
-    for b, n in enumerate(lens):
-        s = np.einsum("hd,hsd->hs", q[b], k[b, :, :n]) / np.sqrt(D)
-        p = np.exp(s - s.max(axis=1, keepdims=True))
-        out[b] = np.einsum("hs,hsd->hd", p / p.sum(axis=1, keepdims=True), v[b, :, :n])
-    return out
 
 
 def make(rng, lens, H, S, dtype, scale=2.0):
@@ -55,7 +45,7 @@ def test_fixed_attention_matches_float64_with_the_same_bits_at_every_width(dtype
     rng = np.random.default_rng(len(lens) * H + S)
     q, k, v, qh, kh, vh = make(rng, lens, H, S, dtype)
     seq = cp.asarray(np.array(lens, np.int32))
-    expect = reference(qh, kh, vh, lens)
+    expect = ref.decode_attention(qh, kh, vh, lens)
     outs = []
     for threads in THREADS:
         out = poisoned(q.shape, dtype)
