@@ -17,7 +17,7 @@
 // linear.cu's tensor-core products at one row of x (the same KW warps a tile, each taking every
 // KW-th chunk of 32 columns in order, mma.sync m16n8k16, the warps' partial tiles added in warp
 // order; the folded LayerNorm's epilogue and row statistics from linear.cuh), attention and
-// its merge are decode_attention.cuh's, the embedding's row statistics embedding.cu's (set_stats).
+// its merge are decode_attention.cuh's, the embedding and its row statistics embedding.cu's (embed_set).
 //
 // Mapping: a block of 8 consumer warps and one producer warp per SM. The producer streams
 // every weight of the step, in the consumers' order, through a ring of 34 KiB stages in shared
@@ -523,23 +523,9 @@ __global__ void __launch_bounds__(BLOCK_THREADS, 1)
 
     // embedding and its statistics sets, in every block (embedding.cu's STATS bits): layer 0's
     // q|k|v folds its LayerNorm from them, as every later product does
-    for (int j = threadIdx.x; j < C / 16; j += STEP_THREADS) {
-        float v[16];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int i = 16 * j + 8 * h;
-            float a[8], b[8];
-            load_vec<T, 8>(wte + static_cast<long long>(tok) * C + i, a);
-            load_vec<T, 8>(wpe + static_cast<long long>(pos) * C + i, b);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) a[k] += b[k];
-            store_vec<T, 8>(xs + i, a);
-            if (blockIdx.x == 0) store_vec<T, 8>(x + i, a);  // the residual stream
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[8 * h + k] = to_float(from_float<T>(a[k]));
-        }
-        sh.sets[j] = set_stats(v, 16);
-    }
+    for (int j = threadIdx.x; j < C / 16; j += STEP_THREADS)  // (x: the residual stream, by the first block)
+        sh.sets[j] = embed_set<T>(wte + static_cast<long long>(tok) * C, wpe + static_cast<long long>(pos) * C, j, C, xs,
+                                  blockIdx.x == 0 ? x : static_cast<T*>(nullptr));
     consumers_sync();
 
     for (int l = 0; l < n_layer; ++l) {

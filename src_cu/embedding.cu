@@ -8,10 +8,10 @@
 //
 // STATS: the row's statistics too, as a product with a residual epilogue leaves them for the
 // next product's folded LayerNorm (linear.cu, X_LN_FOLD): stats[n, j] = (mean, sum of squared
-// deviations) of columns 16 j .. 16 j + 15 as stored (set_stats). A thread takes a set at a
-// time. With them the decode step's first q|k|v product folds its LayerNorm as every other
-// product does, instead of normalizing in its prologue (gpt2_cupy/model.py, DECODE_EMBED_STATS
-// has the measurements).
+// deviations) of columns 16 j .. 16 j + 15 as stored (linear.cuh's embed_set, which the fused
+// step's layer 0 runs too). A thread takes a set at a time. With them the decode step's first
+// q|k|v product folds its LayerNorm as every other product does, instead of normalizing in its
+// prologue (gpt2_cupy/model.py, DECODE_EMBED_STATS has the measurements).
 //
 // Specializations: T in {float, __half, __nv_bfloat16} x VEC in {1, 16/sizeof(T)}; STATS for
 // the 16-bit types at VEC = 8.
@@ -42,23 +42,7 @@ __global__ void embedding_kernel(T* __restrict__ out, const int* __restrict__ id
     } else {
         static_assert(VEC == 8 && sizeof(T) == 2, "row statistics of 16-bit rows in 16-byte vectors");
         const int n_sets = (C + 15) / 16;
-        for (int j = threadIdx.x; j < n_sets; j += blockDim.x) {
-            float v[16];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int i = 16 * j + 8 * h;
-                float a[VEC], b[VEC];
-                if (i < C) {  // (C % 8 == 0: a set holds 16 values or 8)
-                    load_vec<T, VEC>(tok + i, a);
-                    load_vec<T, VEC>(pos + i, b);
-#pragma unroll
-                    for (int k = 0; k < VEC; ++k) a[k] += b[k];
-                    store_vec<T, VEC>(out + n * C + i, a);
-                }
-#pragma unroll
-                for (int k = 0; k < VEC; ++k) v[8 * h + k] = i < C ? to_float(from_float<T>(a[k])) : 0.0f;
-            }
-            stats[n * n_sets + j] = set_stats(v, min(16, C - 16 * j));
-        }
+        for (int j = threadIdx.x; j < n_sets; j += blockDim.x)
+            stats[n * n_sets + j] = embed_set<T>(tok, pos, j, C, out + n * C, static_cast<T*>(nullptr));
     }
 }

@@ -59,6 +59,31 @@ __device__ __forceinline__ float2 set_stats(const float (&v)[16], int n) {
     return make_float2(mu, s[0]);
 }
 
+// Set j of an embedding row (columns 16 j .. 16 j + 15, those below C; C % 8 == 0): token plus
+// position rows added and stored as T into dst (and dst2 when not null), and the set's
+// statistics as stored (set_stats). embedding.cu's STATS and decode_step.cu's layer 0 both run
+// it, so the fused step's layer 0 folds from the bits the embedding kernel leaves.
+template <typename T>
+__device__ __forceinline__ float2 embed_set(const T* tok, const T* pos, int j, int C, T* dst, T* dst2) {
+    float v[16];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int i = 16 * j + 8 * h;
+        float a[8], b[8];
+        if (i < C) {  // (a set holds 16 values or 8)
+            load_vec<T, 8>(tok + i, a);
+            load_vec<T, 8>(pos + i, b);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) a[k] += b[k];
+            store_vec<T, 8>(dst + i, a);
+            if (dst2 != nullptr) store_vec<T, 8>(dst2 + i, a);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[8 * h + k] = i < C ? to_float(from_float<T>(a[k])) : 0.0f;
+    }
+    return set_stats(v, min(16, C - 16 * j));
+}
+
 constexpr int LN_VECS = 4;  // 16-byte vectors of a LayerNorm row a lane loads at once
 
 // Row statistics in sets: the RESIDUAL epilogue leaves, per block and row, the mean and the
