@@ -196,9 +196,9 @@ DECODE_EMBED_STATS = True
 # 1998.80 / 1915.01 / 1962.87 against 1978.58. The rule as taken (fixed_threads_*-h100.json):
 # GPT-2 small at batch 4 219.04 (512) / 223.73 (256) against 216.03, batch 16 311.95 (256) /
 # 327.66 (128) against 321.32, batch 32 413.95 (128) / 424.91 (256) against 427.59; GPT-2 medium
-# at batch 1 451.00 against 461.76. Batches 3 / 4 lose at every width (fixed_threads_b3_b4-h100.json):
-# 224.55 / 218.96 (512), 227.03 / 223.63 (256), 233.52 / 228.99 (128) against 219.56 / 216.16.
-# With model.fused_step on, every batch keeps decode_attention:
+# at batch 1 451.00 against 461.76. Batches 3 / 4 lose at every width
+# (fixed_threads_b3_b4-h100.json): 224.55 / 218.96 (512), 227.03 / 223.63 (256), 233.52 / 228.99
+# (128) against 219.56 / 216.16. With model.fused_step on, every batch keeps decode_attention:
 # the persistent kernel computes its bits.
 DECODE_FIXED_ATTENTION = True
 DECODE_FIXED_THREADS = ((4, 512), (16, 256), (None, 128))

@@ -9,7 +9,8 @@ import cupy_kernels  # noqa: F401  (declares every specialization)
 from cupy_kernels import _build
 
 SOURCES = sorted(_build.declared())
-TENSOR_CORE_SOURCES = {"flash_attention.cu", "gemm.cu", "decode_step.cu", "fixed_attention.cu"}  # float16 and bfloat16 only
+# float16 and bfloat16 only
+TENSOR_CORE_SOURCES = {"flash_attention.cu", "gemm.cu", "decode_step.cu", "fixed_attention.cu"}
 FLOAT32_SOURCES = {"flash_attention_tf32.cu"}  # float32 only: templated on head dim, not on the dtype
 BYTE_SOURCES = {"read_floor.cu"}  # reads bytes, whatever their dtype: templated on the loads in flight
 

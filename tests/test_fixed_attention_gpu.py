@@ -15,15 +15,9 @@ cp = pytest.importorskip("cupy")
 import cupy_kernels as K  # noqa: E402
 from cupy_kernels import reference as ref  # noqa: E402
 from cupy_kernels.fixed_attention import THREADS  # noqa: E402
-from gpu_util import check, poisoned, rand  # noqa: E402
+from gpu_util import DTYPES, check, poisoned, rand  # noqa: E402
 
-HALVES = [np.float16, "bfloat16"]
-
-
-def dtype_of(name):
-    from cupy_kernels import _build
-
-    return _build.BFLOAT16 if name == "bfloat16" else np.dtype(name)
+HALVES = DTYPES[1:]  # float16, bfloat16
 
 
 def make(rng, lens, H, S, dtype, scale=2.0):
@@ -41,7 +35,6 @@ def make(rng, lens, H, S, dtype, scale=2.0):
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
 @pytest.mark.parametrize("H,S,lens", [(12, 1024, [1, 17, 1024, 333]), (25, 40, [16, 15, 40]), (3, 1, [1])])
 def test_fixed_attention_matches_float64_with_the_same_bits_at_every_width(dtype, H, S, lens):
-    dtype = dtype_of(dtype)
     rng = np.random.default_rng(len(lens) * H + S)
     q, k, v, qh, kh, vh = make(rng, lens, H, S, dtype)
     seq = cp.asarray(np.array(lens, np.int32))
@@ -62,7 +55,6 @@ def test_fixed_attention_matches_float64_with_the_same_bits_at_every_width(dtype
 
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
 def test_fixed_attention_a_sequence_alone_equals_it_in_a_batch(dtype):
-    dtype = dtype_of(dtype)
     rng = np.random.default_rng(5)
     lens = [7, 300, 64, 1, 999]
     q, k, v, *_ = make(rng, lens, 12, 1024, dtype)
