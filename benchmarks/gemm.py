@@ -3,8 +3,8 @@
     python -m benchmarks.gemm [--quick]
 
 For each weight shape of GPT-2 small and XL (q|k|v C x 3C, attention out C x C, MLP up
-C x 4C, MLP down 4C x C) and M rows of x (one 500-token prompt; 16 of them packed, GPT-2
-XL's prefill benchmark; 16,384): the median GPU time of y = x W^T (CUDA events, cold L2,
+C x 4C, MLP down 4C x C) and M rows of x (prompts of 8 and 64 tokens; one 500-token prompt;
+16 of them packed, GPT-2 XL's prefill benchmark; 16,384): the median GPU time of y = x W^T (CUDA events, cold L2,
 queued behind a sleep kernel so the host's launch cost is not counted: benchmarks/common.py)
 and TFLOP/s = 2 M N K / time, for each of gemm's tile shapes (``impl: ours-tile``; the one the
 wrapper picks is ``impl: ours``) and for cuBLAS (torch.matmul on the same memory, whose bits
@@ -27,7 +27,7 @@ from cupy_kernels.gemm import TILES, gemm_tiles
 from gpt2_cupy import SIZES
 
 DTYPES = {"float16": (np.float16, torch.float16), "bfloat16": (_build.BFLOAT16, torch.bfloat16)}
-ROWS = (500, 8000, 16384)
+ROWS = (8, 64, 500, 8000, 16384)
 
 
 def shapes(size: str) -> dict:
@@ -46,7 +46,8 @@ def measure(rows: list, size: str, role: str, M: int, N: int, K_: int, dtype: st
     flops = 2 * M * N * K_
     base = {"bench": "gemm", "size": size, "role": role, "M": M, "N": N, "K": K_, "dtype": dtype,
             "epilogue": epilogue}
-    chosen = gemm_tiles(M, N, _build.sm_count(cp.cuda.Device().id))
+    dev = cp.cuda.Device().id
+    chosen = gemm_tiles(M, N, _build.sm_count(dev), _build.smem_per_sm(dev))
     for name, t in TILES.items():
         if t.smem_bytes > _build.smem_optin():
             continue
@@ -69,12 +70,13 @@ def measure(rows: list, size: str, role: str, M: int, N: int, K_: int, dtype: st
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="GPT-2 small, float16, M = 8000 only")
+    ap.add_argument("--rows", nargs="+", type=int, default=list(ROWS), help=f"M values (default {ROWS})")
     args = ap.parse_args()
     print(banner(), flush=True)
     rows: list = []
     for size in ("gpt2",) if args.quick else ("gpt2", "gpt2-xl"):
         for dtype in ("float16",) if args.quick else DTYPES:
-            for M in (8000,) if args.quick else ROWS:
+            for M in (8000,) if args.quick else args.rows:
                 for role, (N, K_) in shapes(size).items():
                     measure(rows, size, role, M, N, K_, dtype)
                 N, K_ = shapes(size)["fc"]

@@ -394,6 +394,14 @@ def smem_optin() -> int:
 
 
 @functools.cache
+def smem_per_sm(device_id: int) -> int:
+    """Bytes of shared memory an SM of the device holds, for all of its blocks."""
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerMultiprocessor"]
+
+
+@functools.cache
 def sm_count(device_id: int) -> int:
     import cupy
 
