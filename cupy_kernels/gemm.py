@@ -74,24 +74,27 @@ _build.declare(
 
 
 def gemm_tiles(M: int, N: int, sms: int, smem_sm: int = 228 * 1024) -> str:
-    """The tile shape for an M x N product on ``sms`` SMs of ``smem_sm`` bytes of shared memory.
-    Up to 64 rows: 64 x 16 tiles where their grid fits the SMs at once, else (up to 16 rows)
-    16 x 16 ones where theirs does; past that, 128 x 128 tiles, or 64 x 64 ones where the
-    128 x 128 grid would fill under 3/4 of two blocks an SM.
-    Measured on an H100 (benchmarks/results/gemm_short-h100.json, cold L2, float16 TFLOP/s,
-    64 x 16 / 16 x 16 / 64 x 64): GPT-2 XL at M = 8, q|k|v (N = 4800: 300 blocks of 64 x 16, over
-    the 264 that fit) 6.6 / 10.6 / 9.8, MLP up (400 blocks, over 396 of 16 x 16 too) 8.6 / 9.4 /
-    12.2, attention out 4.5 / 3.6 / 3.4, MLP down 6.8 / 6.3 / 4.6; GPT-2 small at M = 8 q|k|v 3.7 /
-    3.3 / 3.5, MLP down 2.8 / 2.4 / 2.0; at M = 64 XL's q|k|v 59.2 / 31.3 / 75.7 and MLP down 55.7 /
-    27.9 / 36.9, GPT-2 small's MLP down 22.6 / 18.8 / 15.6: the rule takes the fastest in each of
-    the file's 48 cases of 8 and 64 rows (4 shapes and 2 epilogues, 2 sizes, 2 dtypes)."""
+    """The tile shape for an M x N product on ``sms`` SMs of ``smem_sm`` bytes of shared memory:
+    64 x 16 tiles where their grid fits the SMs at once, else (up to 16 rows) 16 x 16 ones where
+    theirs does; past that, 128 x 128 tiles, or 64 x 64 ones where the 128 x 128 grid would fill
+    under 3/4 of two blocks an SM.
+    Measured on an H100 (benchmarks/results/gemm_short-h100.json and gemm_mid-h100.json, cold L2,
+    float16 TFLOP/s, 64 x 16 / 16 x 16 / 64 x 64): GPT-2 XL at M = 8, q|k|v (N = 4800: 300 blocks
+    of 64 x 16, over the 264 that fit) 6.6 / 10.6 / 9.8, MLP up (400 blocks, over 396 of 16 x 16
+    too) 8.6 / 9.4 / 12.2, attention out 4.5 / 3.6 / 3.4, MLP down 6.8 / 6.3 / 4.6; GPT-2 small at
+    M = 8 q|k|v 3.7 / 3.3 / 3.5, MLP down 2.8 / 2.4 / 2.0; at M = 64 XL's q|k|v 59.2 / 31.3 / 75.7
+    and MLP down 55.7 / 27.9 / 36.9, GPT-2 small's MLP down 22.6 / 18.8 / 15.6; at M = 128 XL's MLP
+    down (200 blocks) 87.7 / 37.7 / 72.6, at 256 (400 blocks) 94.0 / 46.1 / 145.2; GPT-2 small's
+    attention out at 256 (192 blocks) 39.2 / 21.9 / 37.0, its MLP up at 128 (384 blocks) 50.1 /
+    25.0 / 70.3. In the two files' 96 cases (8, 64, 128 and 256 rows, 4 shapes and 2 epilogues, 2
+    sizes, 2 dtypes) it takes a 16-column tile exactly where one is the fastest."""
 
     def one_wave(name: str) -> bool:
         t = TILES[name]
         per_sm = min(smem_sm // (t.smem_bytes + 1024), 2048 // t.threads)  # (1 KiB an SM keeps a block)
         return _build.cdiv(M, t.bm) * _build.cdiv(N, t.bn) <= per_sm * sms
 
-    if M <= 64 and one_wave("64x16w4"):
+    if one_wave("64x16w4"):
         return "64x16w4"
     if M <= 16 and one_wave("16x16w1"):
         return "16x16w1"

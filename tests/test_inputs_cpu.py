@@ -161,11 +161,12 @@ def test_gemm_tiles_fill_the_gpu():
     from cupy_kernels.gemm import TILES, gemm_tiles
 
     assert TILES[gemm_tiles(8000, 2304, 132)].bm == 128
-    # short prompts: 16-column tiles while their grid fits the SMs at once (228 KiB an SM)
+    # 16-column tiles while their grid fits the SMs at once (228 KiB an SM)
     assert gemm_tiles(8, 1600, 132) == "64x16w4" and gemm_tiles(64, 768, 132) == "64x16w4"
     assert gemm_tiles(8, 4800, 132) == "16x16w1"  # 300 blocks of 64 x 16 are over the 264 that fit
     assert gemm_tiles(8, 6400, 132) == gemm_tiles(64, 4800, 132) == "64x64w4"
     assert gemm_tiles(8, 1600, 84, smem_sm=100 * 1024) == "64x64w4"  # 100 blocks, one an SM of 100 KiB
+    assert gemm_tiles(256, 768, 132) == "64x16w4" and gemm_tiles(256, 1600, 132) == "64x64w4"  # 192 / 400 blocks
     assert TILES[gemm_tiles(500, 768, 132)].bm == 64
     assert all(t.smem_bytes <= 99 * 1024 for t in (TILES[gemm_tiles(12, 768, 132)], TILES[gemm_tiles(9000, 9000, 1)]))
 
