@@ -1,14 +1,14 @@
 """The prefill's products (``gemm``) against cuBLAS, every tile shape, in one run.
 
-    python -m benchmarks.gemm [--quick]
+    python -m benchmarks.gemm [--quick] [--rows M ...]
 
 For each weight shape of GPT-2 small and XL (q|k|v C x 3C, attention out C x C, MLP up
 C x 4C, MLP down 4C x C) and M rows of x (prompts of 8 and 64 tokens; one 500-token prompt;
-16 of them packed, GPT-2 XL's prefill benchmark; 16,384): the median GPU time of y = x W^T (CUDA events, cold L2,
-queued behind a sleep kernel so the host's launch cost is not counted: benchmarks/common.py)
-and TFLOP/s = 2 M N K / time, for each of gemm's tile shapes (``impl: ours-tile``; the one the
-wrapper picks is ``impl: ours``) and for cuBLAS (torch.matmul on the same memory, whose bits
-for a row may change with M). The epilogues (bias, GELU) are timed on the MLP up shape.
+16 of them packed, GPT-2 XL's prefill benchmark; 16,384; or --rows): the median GPU time of
+y = x W^T (CUDA events, cold L2, queued behind a sleep kernel so the host's launch cost is not
+counted: benchmarks/common.py) and TFLOP/s = 2 M N K / time, for each of gemm's tile shapes
+(``impl: ours-tile``; the one the wrapper picks is ``impl: ours``) and for cuBLAS (torch.matmul
+on the same memory, whose bits for a row may change with M). The epilogues (bias, GELU) are timed on the MLP up shape.
 Writes benchmarks/results/gemm-<device>.json.
 """
 

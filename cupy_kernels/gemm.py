@@ -48,8 +48,8 @@ class GemmTiles(NamedTuple):
 #   64 x 64, 4 warps of 32 x 32       262-293   but 1.3-2.1x the others at M = 500 where the
 #                                               128 x 128 grid fills under 3/4 of the SMs' two
 #                                               block slots (XL's q|k|v: 216 against 168)
-# Short prompts (up to 64 rows of x) read W about once, so what counts there is how many blocks
-# stream it: tiles 16 columns of W wide, as many blocks as fit the SMs at once (gemm_tiles).
+# A few rows of x (a short prompt) read W about once, so what counts there is how many blocks
+# stream it: tiles 16 columns of W wide wherever their grid fits the SMs at once (gemm_tiles).
 TILES = {
     "128x128w4": GemmTiles(128, 128, 2, 2, 3),  # 96 KiB: two blocks an SM
     "128x128w8": GemmTiles(128, 128, 2, 4, 3),
