@@ -170,9 +170,17 @@ DECODE_PREFETCH_BATCHES = {768: 16, 1024: 4}
 # start) lost it: small 210.75 with all four at 3000. GPT-2 XL lost with any pacing (its layers
 # keep the memory busy): 1612.56 unpaced, 1662.97 / 1735.48 with the MLP up alone at 6000 /
 # 3000, 1881.85 with q|k|v and MLP up at 3000.
+# With fixed_attention (benchmarks/results/pace_fixed-h100.json, pace_fixed_batches-h100.json,
+# us a sweep, 2000 / 2500 / 3000 / 4000 GB/s, unpaced): GPT-2 small float16 at batch 1 192.81 /
+# 192.96 / 194.29 / - / 202.83, 2 194.89 / 195.41 / 196.12 / 198.05, 4 216.75 / 216.59 / 216.54 /
+# 217.24, 8 239.80 / - / 236.91 / - / 238.19 and 245.73 / 244.30 / 242.83 / 242.67 (another run),
+# bfloat16 at 8 241.36 / 239.72 / 238.52 / 237.99; medium at 1 451.96 / 463.78 / 469.46 / 480.50,
+# at 8 561.09 / 567.96 / 569.00 / 570.42. GPT-2 small's sessions of 8 rows (5 to 8 sequences)
+# take 3000: DECODE_PACE_FAST.
 DECODE_PACE_GBPS = 2000
 DECODE_PACE_WIDTHS = (768, 1024)
 DECODE_PACE_BATCH = 8
+DECODE_PACE_FAST = {768: (5, 3000)}  # width: (from this many rows on, GB/s)
 # The decode step's embedding also leaves its rows' statistics (embedding's stats_out), so that
 # the first q|k|v product folds its LayerNorm as every other product does, instead of each of
 # its blocks normalizing x in its prologue (16-bit models; the same function, other bits). In
@@ -599,6 +607,8 @@ class GPT2:
                                        and self.dtype != numpy.float32) else None
         pace = DECODE_PACE_GBPS if (B <= DECODE_PACE_BATCH and C in DECODE_PACE_WIDTHS and DECODE_PACE_GBPS
                                     and self.dtype != numpy.float32) else None
+        if pace is not None and B >= DECODE_PACE_FAST.get(C, (B + 1,))[0]:
+            pace = DECODE_PACE_FAST[C][1]
 
         def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm
             return dict(ln_fold=(stats, u, c, eps)) if folded else dict(bias=b, ln=ln)

@@ -243,6 +243,34 @@ def test_paced_products_keep_the_tokens(small, dtype, monkeypatch):
         assert [model.generate(p, 40) for p in prompts] == plain
 
 
+def test_fast_pace_keeps_the_tokens(small, monkeypatch):
+    """GPT-2 small's sessions of 5 to 8 rows pace at DECODE_PACE_FAST's rate, and each prompt
+    gets the tokens it gets unpaced, in the batch and alone."""
+    import cupy_kernels as K
+    import gpt2_cupy.model as M
+
+    hf, _ = small
+    model = GPT2.from_hf(hf, "float16")
+    most, gbps = M.DECODE_PACE_FAST[model.config.n_embd]
+    rng = np.random.default_rng(14)
+    prompts = [rng.integers(0, 50257, int(n)).tolist() for n in (3, 40, 1, 90, 7, 12, 5, 64)[: max(most, 2)]]
+    paces, real = [], K.linear
+
+    def spy(*args, **kwargs):
+        paces.append(kwargs.get("pace"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(K, "linear", spy)
+    batch = model.generate(prompts, 24)
+    assert paces.count(gbps) == 2 * model.config.n_layer  # q|k|v and MLP up of every block
+    monkeypatch.setattr(M, "DECODE_PACE_GBPS", 0)
+    model._engine = None
+    paces.clear()
+    assert model.generate(prompts, 24) == batch
+    assert set(paces) == {None}
+    assert [model.generate(p, 24) for p in prompts] == batch
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_decode_step_profile_reads_every_product(small, dtype):
     """benchmarks/decode_step.py names each launch of a recorded decode step (paced, at batch 1,
