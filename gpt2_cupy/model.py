@@ -176,7 +176,8 @@ DECODE_PREFETCH_BATCHES = {768: 16, 1024: 4}
 # 217.24, 8 239.80 / - / 236.91 / - / 238.19 and 245.73 / 244.30 / 242.83 / 242.67 (another run),
 # bfloat16 at 8 241.36 / 239.72 / 238.52 / 237.99; medium at 1 451.96 / 463.78 / 469.46 / 480.50,
 # at 8 561.09 / 567.96 / 569.00 / 570.42. GPT-2 small's sessions of 8 rows (5 to 8 sequences)
-# take 3000: DECODE_PACE_FAST.
+# take 3000 (DECODE_PACE_FAST; as taken, pace_fast-h100.json: 242.86 against 245.98 us at batch
+# 8, bfloat16 242.46 against 244.78, batch 1 193.58 against 193.47, the same launches).
 DECODE_PACE_GBPS = 2000
 DECODE_PACE_WIDTHS = (768, 1024)
 DECODE_PACE_BATCH = 8
