@@ -608,8 +608,9 @@ class GPT2:
                                        and self.dtype != numpy.float32) else None
         pace = DECODE_PACE_GBPS if (B <= DECODE_PACE_BATCH and C in DECODE_PACE_WIDTHS and DECODE_PACE_GBPS
                                     and self.dtype != numpy.float32) else None
-        if pace is not None and B >= DECODE_PACE_FAST.get(C, (B + 1,))[0]:
-            pace = DECODE_PACE_FAST[C][1]
+        fast = DECODE_PACE_FAST.get(C)  # (from this many rows on, GB/s)
+        if pace is not None and fast is not None and B >= fast[0]:
+            pace = fast[1]
 
         def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm
             return dict(ln_fold=(stats, u, c, eps)) if folded else dict(bias=b, ln=ln)
