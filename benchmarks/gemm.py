@@ -8,7 +8,8 @@ C x 4C, MLP down 4C x C) and M rows of x (prompts of 8 and 64 tokens; one 500-to
 y = x W^T (CUDA events, cold L2, queued behind a sleep kernel so the host's launch cost is not
 counted: benchmarks/common.py) and TFLOP/s = 2 M N K / time, for each of gemm's tile shapes
 (``impl: ours-tile``; the one the wrapper picks is ``impl: ours``) and for cuBLAS (torch.matmul
-on the same memory, whose bits for a row may change with M). The epilogues (bias, GELU) are timed on the MLP up shape.
+on the same memory, whose bits for a row may change with M). The epilogues (bias, GELU) are
+timed on the MLP up shape.
 Writes benchmarks/results/gemm-<device>.json.
 """
 
