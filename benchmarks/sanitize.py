@@ -75,6 +75,8 @@ def main():
                 for threads in FIXED_THREADS:
                     K.fixed_attention(qkv[:, 0, 0], kc, vc, lens, threads=threads)
                     K.fixed_attention(qkv[:, 0, 0], kc, vc, lens, threads=threads, positions=lens - 1)
+                    K.fixed_attention(qkv[:, 0, 0], kc, vc, lens, threads=threads, positions=lens - 1,
+                                      trigger_early=True)
             # L2 warm-up blocks beside the attention: one chunk and chunks of 40 (the last merges)
             for keys in (None, 40):
                 K.decode_attention(qkv[:, 0, 0], kc, vc, cp.asarray([1, T + 5], dtype=np.int32), split_keys=keys,

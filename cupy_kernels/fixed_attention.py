@@ -28,7 +28,8 @@ def _name(c_type: str, threads: int) -> str:
 _build.declare(_SRC, [_name(c, t) for c in _build.CTYPES.values() if c != "float" for t in THREADS], pdl=True)
 
 
-def fixed_attention(q, k_cache, v_cache, seq_lens, *, threads: int = 128, positions=None, out=None):
+def fixed_attention(q, k_cache, v_cache, seq_lens, *, threads: int = 128, positions=None, trigger_early: bool = False,
+                    out=None):
     """``softmax(q . K[:len] / 8) V[:len]`` for each sequence and head, with the same bits for
     every ``threads`` (128, 256 or 512 a block).
 
@@ -37,8 +38,10 @@ def fixed_attention(q, k_cache, v_cache, seq_lens, *, threads: int = 128, positi
     [B], the keys of each sequence (at most S_max; 0 gives zeros). positions (int32 [B] or
     None): in a decode step, the row the kernel ahead appends to each sequence (seq_lens =
     positions + 1); the rows below it are requested before that kernel ends (programmatic
-    dependent launch). Returns out [B, H, 64] in q's dtype (a NaN or infinity in the rows read
-    gives NaN)."""
+    dependent launch). trigger_early: under programmatic dependent launch, the next kernel may
+    start once every block has requested those rows, before its wait for the kernel ahead,
+    instead of after that wait (the same numbers). Returns out [B, H, 64] in q's dtype (a NaN
+    or infinity in the rows read gives NaN)."""
     q = _checks.float_array(q, "q", ndim=3, contiguous=False)
     if q.dtype.itemsize != 2:
         raise TypeError(f"fixed_attention takes float16 or bfloat16 q, got {q.dtype}")
@@ -63,6 +66,8 @@ def fixed_attention(q, k_cache, v_cache, seq_lens, *, threads: int = 128, positi
     seq_lens = _checks.int_vector(seq_lens, "seq_lens", B)
     if positions is not None:
         positions = _checks.int_vector(positions, "positions", B)
+    if not isinstance(trigger_early, (bool, numpy.bool_)):
+        raise TypeError(f"trigger_early must be a bool, got {trigger_early!r}")
     if threads not in THREADS:
         raise ValueError(f"threads must be one of {THREADS}, got {threads!r}")
     out = _checks.output(out, "out", (B, H, D), q.dtype)
@@ -70,5 +75,6 @@ def fixed_attention(q, k_cache, v_cache, seq_lens, *, threads: int = 128, positi
         return out
     kern = _build.kernel(_SRC, _name(_build.ctype(q.dtype), threads))
     kern((H, B), (threads,), (out, q, k_cache, v_cache, seq_lens, i32(H), i32(S_max), f32(1.0 / math.sqrt(D)),
-                              numpy.int64(q.strides[0] // q.itemsize), 0 if positions is None else positions))
+                              numpy.int64(q.strides[0] // q.itemsize), 0 if positions is None else positions,
+                              i32(bool(trigger_early))))
     return out

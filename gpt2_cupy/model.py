@@ -211,6 +211,20 @@ DECODE_EMBED_STATS = True
 # the persistent kernel computes its bits.
 DECODE_FIXED_ATTENTION = True
 DECODE_FIXED_THREADS = ((4, 512), (16, 256), (None, 128))
+# In sessions of up to this many rows, fixed_attention lets the next kernel (the attention
+# projection, which requests its weights as it starts) start once its blocks have requested
+# their cache rows, before its wait for the q|k|v product, instead of after that wait
+# (trigger_early; the same numbers). H100, float16, us a sweep of 512 replays from 8 cached
+# keys on one session's buffers, before the wait / after it (benchmarks/results/
+# fixed_trigger_early-h100.json, fixed_trigger_xl-h100.json, fixed_trigger_sizes-h100.json):
+# batch 1 GPT-2 small 193.01 / 193.99, medium 438.20 / 454.74, large 939.59 / 965.78, XL
+# 1534.72 / 1587.23 (1546.11 / 1583.37 in another run); but GPT-2 small at batch 2 195.38 /
+# 195.11 and 8 241.98 / 239.93, XL at 4 1704.62 / 1707.25 and 8 1922.10 / 1902.26. At the very
+# start of the kernel instead: small 194.07, XL 1550.13 at batch 1. Later than the wait lost
+# everywhere (fixed_trigger-h100.json, batch 1, small / XL): once q and the appended rows are
+# requested 195.49 / 1599.59 against 193.73 / 1583.08, after the first tile 201.84 / 1636.97,
+# after the block's maximum 214.92 / 1679.88.
+DECODE_TRIGGER_EARLY_ROWS = 1
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -574,7 +588,8 @@ class GPT2:
         (default: ``self.fused_step``): the persistent kernel where it applies.
 
         Five launches a block (six with a quantized cache): q|k|v, attention (fixed_attention
-        in 16-bit models with 16-bit caches, its block width by batch; else decode_attention,
+        in 16-bit models with 16-bit caches, its block width by batch, at batch 1 letting the
+        next kernel start before its own wait (DECODE_TRIGGER_EARLY_ROWS); else decode_attention,
         the chunks of a long cache merged by the last block of a head), and three products.
         Bias, GELU, the residual add and the KV-cache append run in the products' epilogues, and so does
         LayerNorm in 16-bit models (folded into the weights; the products that update the
@@ -640,7 +655,8 @@ class GPT2:
                     appended = None
                 if fixed:
                     K.fixed_attention(qkv[:, 0, 0], cache.k[i], cache.v[i], cache.lengths, threads=fixed,
-                                      positions=cache.positions, out=buf.att)
+                                      positions=cache.positions, trigger_early=B <= DECODE_TRIGGER_EARLY_ROWS,
+                                      out=buf.att)
                 else:
                     K.decode_attention(qkv[:, 0, 0], seq_lens=cache.lengths, split_keys=split_keys,
                                        threads=threads, appended=appended, ahead=ahead, out=buf.att,

@@ -20,7 +20,9 @@
 // Programmatic dependent launch: each warp's first two tiles are requested before
 // griddep_wait(). With positions (a decode step: the row the q|k|v product appends for each
 // sequence, seq_lens = positions + 1), the rows below it, written by earlier steps, come before
-// the wait and the appended row after it, through L2; without, all of them after it.
+// the wait and the appended row after it, through L2; without, all of them after it. The next
+// kernel may start once every block has passed its wait, or with early, once every block has
+// requested those rows (before its wait): the same numbers either way.
 //
 // Layout: q [B, H, 64] (rows q_sb elements apart); k_cache, v_cache [B, H, S_max, 64] in q's
 // dtype (float16 / bfloat16), S_max <= 1024; seq_lens [B]; out [B, H, 64]. Grid (H, B).
@@ -49,7 +51,7 @@ template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
     fixed_attention_kernel(T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_cache,
                            const T* __restrict__ v_cache, const int* __restrict__ seq_lens, int H, int S_max,
-                           float scale, long long q_sb, const int* __restrict__ positions) {
+                           float scale, long long q_sb, const int* __restrict__ positions, int early) {
     constexpr int WARPS = THREADS / 32;
     __shared__ float s_o[MAX_KEYS / TILE_KEYS][HD];  // each tile's sum p v, sum p and maximum
     __shared__ float s_l[MAX_KEYS / TILE_KEYS], s_m[MAX_KEYS / TILE_KEYS];
@@ -77,28 +79,29 @@ __global__ void __launch_bounds__(THREADS)
     // wait for the kernel ahead, and the appended row after it, through L2.
     const int t0 = warp, stride = WARPS;
     const int rows_max = min(S_max, MAX_KEYS);
-    const int early = positions != nullptr ? min(positions[b], rows_max) : 0;
+    const int early_rows = positions != nullptr ? min(positions[b], rows_max) : 0;
     uint4 k0[4], v0[4], k1[4], v1[4];
-    load_rows(kc, t0, early, k0);
-    load_rows(vc, t0, early, v0);
-    load_rows(kc, t0 + stride, early, k1);
-    load_rows(vc, t0 + stride, early, v1);
+    load_rows(kc, t0, early_rows, k0);
+    load_rows(vc, t0, early_rows, v0);
+    load_rows(kc, t0 + stride, early_rows, k1);
+    load_rows(vc, t0 + stride, early_rows, v1);
+    if (early) griddep_launch_dependents();
     griddep_wait();  // (programmatic dependent launch: q, the lengths and the appended rows are the kernel ahead's)
-    griddep_launch_dependents();
+    if (!early) griddep_launch_dependents();
     if (positions == nullptr) {
         load_rows(kc, t0, rows_max, k0);
         load_rows(vc, t0, rows_max, v0);
         load_rows(kc, t0 + stride, rows_max, k1);
         load_rows(vc, t0 + stride, rows_max, v1);
-    } else if (early < rows_max) {
+    } else if (early_rows < rows_max) {
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-            const long long at = static_cast<long long>(early) * HD;
-            if (t0 * TILE_KEYS + grp * 4 + u == early) {
+            const long long at = static_cast<long long>(early_rows) * HD;
+            if (t0 * TILE_KEYS + grp * 4 + u == early_rows) {
                 k0[u] = __ldcg(reinterpret_cast<const uint4*>(kc + at));
                 v0[u] = __ldcg(reinterpret_cast<const uint4*>(vc + at));
             }
-            if ((t0 + stride) * TILE_KEYS + grp * 4 + u == early) {
+            if ((t0 + stride) * TILE_KEYS + grp * 4 + u == early_rows) {
                 k1[u] = __ldcg(reinterpret_cast<const uint4*>(kc + at));
                 v1[u] = __ldcg(reinterpret_cast<const uint4*>(vc + at));
             }

@@ -49,6 +49,10 @@ def test_fixed_attention_matches_float64_with_the_same_bits_at_every_width(dtype
         early = poisoned(q.shape, dtype)
         K.fixed_attention(q, k, v, seq, threads=threads, positions=seq - 1, out=early)
         assert cp.array_equal(early, out)
+        # ... and letting the next kernel start before its wait (a decode step at batch 1)
+        early = poisoned(q.shape, dtype)
+        K.fixed_attention(q, k, v, seq, threads=threads, positions=seq - 1, trigger_early=True, out=early)
+        assert cp.array_equal(early, out)
     for out in outs[1:]:
         assert cp.array_equal(out, outs[0])
 
@@ -118,6 +122,8 @@ def test_fixed_attention_bad_inputs_raise():
         K.fixed_attention(q, kc, kc, cp.ones(3, np.int32))
     with pytest.raises(ValueError, match="positions"):
         K.fixed_attention(q, kc, kc, seq, positions=cp.ones(1, np.int32))
+    with pytest.raises(TypeError, match="trigger_early must be a bool"):
+        K.fixed_attention(q, kc, kc, seq, trigger_early=1)
     with pytest.raises(ValueError, match="threads must be one of"):
         K.fixed_attention(q, kc, kc, seq, threads=64)
     with pytest.raises(ValueError, match="out"):
