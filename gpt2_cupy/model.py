@@ -217,7 +217,8 @@ DECODE_FIXED_THREADS = ((4, 512), (16, 256), (None, 128))
 # (trigger_early; the same numbers). H100, float16, us a sweep of 512 replays from 8 cached
 # keys on one session's buffers, before the wait / after it (benchmarks/results/
 # fixed_trigger_early-h100.json, fixed_trigger_xl-h100.json, fixed_trigger_sizes-h100.json):
-# batch 1 GPT-2 small 193.01 / 193.99, medium 438.20 / 454.74, large 939.59 / 965.78, XL
+# batch 1 GPT-2 small 193.01 / 193.99 (192.61 / 193.06 in another run, bfloat16 194.49 / 194.41:
+# trigger_early_small-h100.json), medium 438.20 / 454.74, large 939.59 / 965.78, XL
 # 1534.72 / 1587.23 (1546.11 / 1583.37 in another run); but GPT-2 small at batch 2 195.38 /
 # 195.11 and 8 241.98 / 239.93, XL at 4 1704.62 / 1707.25 and 8 1922.10 / 1902.26. At the very
 # start of the kernel instead: small 194.07, XL 1550.13 at batch 1. Later than the wait lost
