@@ -226,6 +226,13 @@ DECODE_FIXED_THREADS = ((4, 512), (16, 256), (None, 128))
 # requested 195.49 / 1599.59 against 193.73 / 1583.08, after the first tile 201.84 / 1636.97,
 # after the block's maximum 214.92 / 1679.88.
 DECODE_TRIGGER_EARLY_ROWS = 1
+# At batch 1, the MLP up of these widths lets the MLP down start only once its own blocks have
+# passed their wait (linear's trigger_late; the same numbers), not as they start. GPT-2 XL's MLP
+# down takes 16-warp blocks, a whole SM each. H100, float16, us a sweep of 512 replays from 8
+# cached keys on one session's buffers (benchmarks/results/product_trigger-h100.json): XL at
+# batch 1 1508.66 against 1529.35 as they start; the attention projection late as well 1585.83,
+# every product once its first batch of W is requested 1528.86.
+DECODE_UP_LATE_WIDTHS = (1600,)
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -665,6 +672,7 @@ class GPT2:
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x,
                          stats_out=stats)
                 K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f, pace=pace,
+                         trigger_late=B == 1 and C in DECODE_UP_LATE_WIDTHS and self.dtype != numpy.float32,
                          **normalized(blk.fc_b, (blk.ln_2_w, blk.ln_2_b, eps), blk.fc_u, blk.fc_c, stats is not None))
                 K.linear(buf.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=buf.x, out=buf.x, stats_out=stats)
             self.head(buf, sampling, stats, positions=cache.positions)

@@ -243,6 +243,37 @@ def test_paced_products_keep_the_tokens(small, dtype, monkeypatch):
         assert [model.generate(p, 40) for p in prompts] == plain
 
 
+def test_late_mlp_up_keeps_the_tokens(small, monkeypatch):
+    """The MLP up letting the MLP down start only after its wait (DECODE_UP_LATE_WIDTHS, at
+    batch 1; GPT-2 XL's width, here set to GPT-2 small's) gives each prompt the tokens it gets
+    without, alone; a batch keeps its MLP ups as they were."""
+    import cupy_kernels as K
+    import gpt2_cupy.model as M
+
+    hf, _ = small
+    model = GPT2.from_hf(hf, "float16")
+    rng = np.random.default_rng(15)
+    prompts = [rng.integers(0, 50257, int(n)).tolist() for n in (1, 70)]
+    lates, real = [], K.linear
+
+    def spy(*args, **kwargs):
+        lates.append(kwargs.get("trigger_late", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(K, "linear", spy)
+    monkeypatch.setattr(M, "DECODE_UP_LATE_WIDTHS", ())
+    plain = [model.generate(p, 40) for p in prompts]
+    assert lates and not any(lates)
+    monkeypatch.setattr(M, "DECODE_UP_LATE_WIDTHS", (model.config.n_embd,))
+    model._engine = None  # the sessions (and their recorded steps) of the setting before
+    lates.clear()
+    assert [model.generate(p, 40) for p in prompts] == plain
+    assert lates.count(True) == 2 * model.config.n_layer  # every block's MLP up, in two sessions (64, 128 rows)
+    lates.clear()
+    assert model.generate(prompts, 40) == plain
+    assert not any(lates)
+
+
 def test_fast_pace_keeps_the_tokens(small, monkeypatch):
     """GPT-2 small's sessions of 5 to 8 rows pace at DECODE_PACE_FAST's rate, and each prompt
     gets the tokens it gets unpaced, in the batch and alone."""
