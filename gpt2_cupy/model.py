@@ -598,7 +598,9 @@ class GPT2:
         Five launches a block (six with a quantized cache): q|k|v, attention (fixed_attention
         in 16-bit models with 16-bit caches, its block width by batch, at batch 1 letting the
         next kernel start before its own wait (DECODE_TRIGGER_EARLY_ROWS); else decode_attention,
-        the chunks of a long cache merged by the last block of a head), and three products.
+        the chunks of a long cache merged by the last block of a head), and three products
+        (GPT-2 XL's MLP up at batch 1 letting the MLP down start only after its own wait:
+        DECODE_UP_LATE_WIDTHS).
         Bias, GELU, the residual add and the KV-cache append run in the products' epilogues, and so does
         LayerNorm in 16-bit models (folded into the weights; the products that update the
         residual stream, and the embedding, leave its row statistics, from which the next
