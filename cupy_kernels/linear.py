@@ -95,6 +95,7 @@ def _name(c_type: str, out_type: str, vec: int, tile: tuple[int, int], br: int, 
 # what linear_mma_kernel does with x (linear.cu's XInput): uses the rows, normalizes them first
 # (each block by itself), or uses them with their LayerNorm folded into W and the epilogue
 X_PLAIN, X_LN, X_LN_FOLD = 0, 1, 2
+TRIGGERS = ("start", "requested", "waited")  # linear's trigger=, the kernel's Trigger in order
 STATS_COLS = 16  # outputs of a row per set of row statistics (a block's tile of W)
 
 
@@ -556,7 +557,7 @@ def _mma_stream(B: int, N: int, K: int, tile, xin: int, logits: bool, kw: int, s
 
 
 def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats, ahead=None,
-                pace=None, late=False):
+                pace=None, trigger="start"):
     fold, stats_out = stats
     sms = _build.sm_count(cupy.cuda.Device().id)
     logits = out_type == "float" and epi in ("store", "argmax")
@@ -586,13 +587,13 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
     kern((blocks, grid_y), (threads,),
          _args(out, x, weight, bias, ln_args, res, part, kv, B, N, K)
          + (i32(xs_stride), null if fold is None else fold[0], null if stats_out is None else stats_out,
-            null if fold is None else fold[1], null if fold is None else fold[2], i32(pace_ps), i32(late)),
+            null if fold is None else fold[1], null if fold is None else fold[2], i32(pace_ps), i32(TRIGGERS.index(trigger))),
          shared_mem=smem)
     return blocks, part
 
 
 def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats=(None, None),
-            ahead=None, pace=None, late=False):
+            ahead=None, pace=None, trigger="start"):
     """Launches the product (tensor cores for 16-bit vector rows, else CUDA cores); returns
     its number of blocks and the argmax partials, made by ``part(blocks)`` when given.
     ``stats``: (ln_fold as (stats, u, c, eps), row statistics to write), tensor cores only."""
@@ -600,13 +601,13 @@ def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, til
     _check_tile(tile, warps, mma)
     if mma:
         return _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats,
-                           ahead, pace, late)
+                           ahead, pace, trigger)
     if ahead:
         raise ValueError("ahead=True runs on tensor cores: float16 / bfloat16 rows of 16-byte vectors")
     if pace is not None:
         raise TypeError("pace= paces the tensor-core product: float16 / bfloat16 rows of 16-byte vectors")
-    if late:
-        raise TypeError("trigger_late= is the tensor-core product's: float16 / bfloat16 rows of 16-byte vectors")
+    if trigger != "start":
+        raise TypeError("trigger= is the tensor-core product's: float16 / bfloat16 rows of 16-byte vectors")
     if any(a is not None for a in stats):
         raise TypeError("ln_fold and stats_out need float16 / bfloat16 rows of 16-byte vectors (K % 8 == 0, "
                         "16-byte aligned): the tensor-core product")
@@ -701,7 +702,7 @@ def _stats_args(ln_fold, B: int, N: int, K: int, bias=None, ln=None, residual=No
 
 def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, residual=None, stats_out=None,
            kv_cache=None, out_dtype=None, out=None, tile=None, warps=None, ahead=None, pace=None,
-           trigger_late: bool = False) -> cupy.ndarray:
+           trigger: str = "start") -> cupy.ndarray:
     """``y = act(norm(x) @ weight.T + bias)``, for a few rows of x.
 
     x: [B, K] contiguous; weight: [N, K] (out, in) contiguous; bias: [N] or None.
@@ -735,14 +736,15 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
     (programmatic dependent launch) does not fill the memory's queues ahead of the loads the
     kernels before it wait for (never changes the numbers; the LM head's streamed kernel, 17
     to 64 rows of float logits, requests its tiles through a ring and takes no pacing).
-    ``trigger_late`` (tensor cores): under programmatic dependent launch, the next kernel may
-    start only once every block has passed its wait for the kernel ahead, instead of as the
-    blocks start (never changes the numbers; the streamed kernel ignores it).
+    ``trigger`` (tensor cores): under programmatic dependent launch, when the next kernel may
+    start: "start" (as every block starts), "requested" (once every block has requested its
+    first batch of W) or "waited" (once every block has passed its wait for the kernel ahead);
+    never changes the numbers; the streamed kernel ignores it.
     """
     x, weight, bias, ln, B, N, K = _prepare(x, weight, bias, ln)
     pace = _check_pace(pace)
-    if not isinstance(trigger_late, (bool, numpy.bool_)):
-        raise TypeError(f"trigger_late must be a bool, got {trigger_late!r}")
+    if not isinstance(trigger, str) or trigger not in TRIGGERS:
+        raise ValueError(f"trigger must be one of {TRIGGERS}, got {trigger!r}")
     out_dtype = numpy.dtype(x.dtype if out_dtype is None else out_dtype)
     if out_dtype not in (x.dtype, numpy.dtype(numpy.float32)):
         raise TypeError(f"out_dtype must be {x.dtype} or float32, got {out_dtype}")
@@ -771,7 +773,7 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
         raise ValueError("x has no features (K = 0)")
     epi = "residual" if residual is not None else "qkv_cache" if kv is not None else "gelu" if gelu else "store"
     _launch(x, weight, bias, ln, residual, out, None, kv, _build.ctype(out_dtype), epi, B, N, K, tile, warps, stats,
-            ahead, pace, trigger_late)
+            ahead, pace, trigger)
     return out
 
 

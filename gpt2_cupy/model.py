@@ -226,13 +226,30 @@ DECODE_FIXED_THREADS = ((4, 512), (16, 256), (None, 128))
 # requested 195.49 / 1599.59 against 193.73 / 1583.08, after the first tile 201.84 / 1636.97,
 # after the block's maximum 214.92 / 1679.88.
 DECODE_TRIGGER_EARLY_ROWS = 1
-# At batch 1, the MLP up of these widths lets the MLP down start only once its own blocks have
-# passed their wait (linear's trigger_late; the same numbers), not as they start. GPT-2 XL's MLP
-# down takes 16-warp blocks, a whole SM each. H100, float16, us a sweep of 512 replays from 8
-# cached keys on one session's buffers (benchmarks/results/product_trigger-h100.json): XL at
-# batch 1 1508.66 against 1529.35 as they start; the attention projection late as well 1585.83,
-# every product once its first batch of W is requested 1528.86.
-DECODE_UP_LATE_WIDTHS = (1600,)
+# In sessions of one row, where each product of the decode step lets the next kernel start
+# (linear's trigger=; the same numbers), by width and role ("qkv", "proj", "up", "down"): "start"
+# (as its blocks start) where not named, "requested" (once each block has requested its first
+# batch of W), "waited" (once each block has passed its wait for the kernel ahead). 16-bit models
+# with 16-bit caches (the fixed_attention step). H100, float16, us a sweep of 512 replays from 8
+# cached keys on one session's buffers (benchmarks/results/; the product_trigger* files ran
+# branch product-trigger, whose DECODE_PRODUCT_TRIGGER sets a role's point at every width):
+# - GPT-2 XL (product_trigger-h100.json): the MLP up "waited" 1508.66 against 1529.35 with every
+#   product at "start" (its MLP down takes 16-warp blocks, a whole SM each); the projection
+#   "waited" 1585.83; every product "requested" 1528.86. With the MLP up "waited" (1511.33 and
+#   1507.89 in two runs, product_trigger2-h100.json, product_trigger3-h100.json) and besides it:
+#   the q|k|v "requested" 1503.08 and 1502.17, "waited" 1506.79; the projection "requested"
+#   1507.09, but 1510.17 with the q|k|v "requested" too; the MLP down "requested" 1521.74,
+#   "waited" 1520.46; the attention in 256-thread blocks with the q|k|v "requested" 1546.61.
+# - GPT-2 small (product_trigger_small-h100.json): the q|k|v "requested" 189.98, the projection
+#   "requested" 190.18 against 191.73, the MLP up "requested" 191.98 or "waited" 205.35, the MLP
+#   down "requested" 195.97; on this code (product_triggers_small-h100.json) the q|k|v and the
+#   projection "requested" 188.48 against 190.56 with the q|k|v alone and 192.52 with neither,
+#   bfloat16 191.82 / 196.18 / 199.26.
+# - GPT-2 large: the MLP up "waited" 924.91 against 929.17 (late_sizes-h100.json), the q|k|v
+#   "requested" with it 938.87 against 937.90 (another run, product_trigger_large-h100.json);
+#   medium, the MLP up "waited" 452.66 against 437.64 (late_sizes-h100.json). Neither is taken
+#   (large's 0.5% comes from one run).
+DECODE_PRODUCT_TRIGGERS = {768: {"qkv": "requested", "proj": "requested"}, 1600: {"qkv": "requested", "up": "waited"}}
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -599,8 +616,8 @@ class GPT2:
         in 16-bit models with 16-bit caches, its block width by batch, at batch 1 letting the
         next kernel start before its own wait (DECODE_TRIGGER_EARLY_ROWS); else decode_attention,
         the chunks of a long cache merged by the last block of a head), and three products
-        (GPT-2 XL's MLP up at batch 1 letting the MLP down start only after its own wait:
-        DECODE_UP_LATE_WIDTHS).
+        (with fixed_attention at batch 1, some of them letting the next kernel start later than
+        as they start: DECODE_PRODUCT_TRIGGERS).
         Bias, GELU, the residual add and the KV-cache append run in the products' epilogues, and so does
         LayerNorm in 16-bit models (folded into the weights; the products that update the
         residual stream, and the embedding, leave its row statistics, from which the next
@@ -647,6 +664,7 @@ class GPT2:
             why = K.decode_step_unsupported(self.dtype, C, H, threads)
             if why is None:
                 return self._record_fused_step(cache, buf)
+        trig = DECODE_PRODUCT_TRIGGERS.get(C, {}) if fixed and B == 1 else {}
         with _build.recording() as plan:
             embed_stats = stats if DECODE_EMBED_STATS else None
             K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x, stats_out=embed_stats)
@@ -654,7 +672,7 @@ class GPT2:
                 qkv_in = normalized(blk.attn_b, (blk.ln_1_w, blk.ln_1_b, eps), blk.attn_u, blk.attn_c,
                                     stats is not None and (i > 0 or embed_stats is not None))
                 if cache.k_scale is None:  # keys and values go into the cache from the product's epilogue
-                    K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, **qkv_in,
+                    K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, trigger=trig.get("qkv", "start"), **qkv_in,
                              kv_cache={"k_cache": cache.k[i], "v_cache": cache.v[i], "positions": cache.positions,
                                        "seq_lens": cache.lengths})
                     appended = (qkv[:, 0, 1], qkv[:, 0, 2])  # the cache's new rows, as the product wrote them
@@ -672,11 +690,11 @@ class GPT2:
                                        threads=threads, appended=appended, ahead=ahead, out=buf.att,
                                        warm=self._decode_warm(blk, B), prefetch=prefetch, **cache.layer(i))
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x,
-                         stats_out=stats)
-                K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f, pace=pace,
-                         trigger_late=B == 1 and C in DECODE_UP_LATE_WIDTHS and self.dtype != numpy.float32,
+                         stats_out=stats, trigger=trig.get("proj", "start"))
+                K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f, pace=pace, trigger=trig.get("up", "start"),
                          **normalized(blk.fc_b, (blk.ln_2_w, blk.ln_2_b, eps), blk.fc_u, blk.fc_c, stats is not None))
-                K.linear(buf.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=buf.x, out=buf.x, stats_out=stats)
+                K.linear(buf.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=buf.x, out=buf.x, stats_out=stats,
+                         trigger=trig.get("down", "start"))
             self.head(buf, sampling, stats, positions=cache.positions)
         return plan
 

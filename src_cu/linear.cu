@@ -506,6 +506,10 @@ constexpr int RED_STRIDE = 20;  // floats a column of a warp's partial tile take
 // reciprocal deviation r,  LN(x) W0^T + b = r (x W^T - m u) + c,  u = W 1, c = b + W0 beta,
 // where m and r come from the row statistics the product that wrote x left (row_stats).
 enum XInput : int { X_PLAIN = 0, X_LN = 1, X_LN_FOLD = 2 };
+// Where a block of the tensor-core product lets the next kernel start (programmatic dependent
+// launch): at its start, once its first batch of W is requested, or once it has passed its wait
+// (linear.py's trigger=; cupy_kernels/linear.py TRIGGERS, the same order).
+enum Trigger : int { TRIGGER_START = 0, TRIGGER_REQUESTED = 1, TRIGGER_WAITED = 2 };
 
 // Several n-tiles (B > 8) request the next batch's W before this batch's mma: two sets of W
 // registers. H100, the decode step in a CUDA graph with PDL, GPT-2 small float16, us without
@@ -575,10 +579,10 @@ template <int NT, int U, int XIN, int EPI, int MT> constexpr int mma_min_blocks(
         int *__restrict__ part_idx, T *__restrict__ k_cache, T *__restrict__ v_cache,                               \
         const int *__restrict__ positions, int *__restrict__ seq_lens, int H, int S_max, int B, int N, int K,       \
         int xs_stride, const float2 *stats_in, float2 *__restrict__ stats_out, const float *__restrict__ fold_u,   \
-        const float *__restrict__ fold_c, int pace_ps, int late
+        const float *__restrict__ fold_c, int pace_ps, int trigger
 #define LINEAR_MMA_ARGS                                                                                            \
     y, x, W, bias, ln_w, ln_b, eps, res, part_val, part_idx, k_cache, v_cache, positions, seq_lens, H, S_max, B, N, \
-        K, xs_stride, stats_in, stats_out, fold_u, fold_c, pace_ps, late
+        K, xs_stride, stats_in, stats_out, fold_u, fold_c, pace_ps, trigger
 
 // The product. AHEAD: each warp requests its next batch of W before it multiplies this one
 // (W_AHEAD, or linear_mma_ahead_kernel).
@@ -603,9 +607,10 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
     __shared__ int s_pos[EPI == QKV_CACHE ? COLS : 1];  // QKV_CACHE: the rows' cache positions
     // the next kernel may start: its weights stream in while this one runs (triggering after
     // the main loop instead, in grids of several block rows, gained up to 6% at B = 32 and 64
-    // before W_AHEAD and nothing after it: B = 64 719 against 726 us, B = 16 384 / 376); with
-    // late, only once this block has passed its wait (linear.py's trigger_late)
-    if (!late) griddep_launch_dependents();
+    // before W_AHEAD and nothing after it: B = 64 719 against 726 us, B = 16 384 / 376). Or
+    // (linear.py's trigger=) once the block's first batch of W is requested (TRIGGER_REQUESTED),
+    // or once it has passed its wait (TRIGGER_WAITED).
+    if (trigger == TRIGGER_START) griddep_launch_dependents();
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int m0 = blockIdx.x * TM, b0 = blockIdx.y * COLS;  // the block's TM rows of W, COLS rows of x
@@ -653,6 +658,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
         while (global_ns() < until) {}
     }
     load_w(wa, wb, 0);
+    if (trigger == TRIGGER_REQUESTED) griddep_launch_dependents();
     if constexpr (XIN == X_LN_FOLD) {
         if (threadIdx.x < TM) {
             const bool in = m0 + threadIdx.x < N;
@@ -670,7 +676,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
         cp_async_commit();
     }
     griddep_wait();  // x, res, positions: the previous kernels' work
-    if (late) griddep_launch_dependents();
+    if (trigger == TRIGGER_WAITED) griddep_launch_dependents();
     // what the epilogue reads comes in while the product runs: the rows' statistics (X_LN_FOLD),
     // the residual tile (16-byte pieces where rows of N values allow them), the cache positions.
     // H100, the decode step in a CUDA graph with PDL at 264 cached keys, float16, us a step

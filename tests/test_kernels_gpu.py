@@ -326,18 +326,19 @@ def test_linear_pace_keeps_the_bits(B, N, K_, variant, dtype):
     """pace=: blocks requesting their weights one after another give the unpaced bits, which
     match the reference, on every kernel it reaches (LayerNorm prologue, W ahead at K = 6400,
     two m-tiles of float logits at 70 rows, several n-tiles at 20 rows); a slow pace as well;
-    and trigger_late=. (33 rows of logits: the streamed LM head, which takes neither.)"""
+    and every trigger= point. (33 rows of logits: the streamed LM head, which takes neither.)"""
     rng = np.random.default_rng(B + N + K_)
     x, w, b, kw, expect = _linear_case(rng, B, N, K_, variant, dtype)
     out_dtype = kw.get("out_dtype", dtype)
     res = kw.pop("residual", None)
     outs = []
-    for pace, late in ((None, False), (3000, False), (40.5, False), (None, True), (3000, True)):
+    for pace, trigger in ((None, "start"), (3000, "start"), (40.5, "start"), (None, "requested"), (None, "waited"),
+                          (3000, "waited")):
         out = poisoned((B, N), out_dtype)
         if res is not None:
             out[...] = res
             kw["residual"] = out
-        K.linear(x, w, b, out=out, pace=pace, trigger_late=late, **kw)
+        K.linear(x, w, b, out=out, pace=pace, trigger=trigger, **kw)
         check(out, expect, dtype)
         outs.append(out)
     assert all(cp.array_equal(o, outs[0]) for o in outs[1:])
@@ -598,10 +599,11 @@ def test_linear_bad_inputs_raise():
     for bad in ("fast", True, [1000]):
         with pytest.raises(TypeError, match="pace"):
             K.linear(xh, wh, pace=bad)
-    with pytest.raises(TypeError, match="trigger_late"):
-        K.linear(x, w, trigger_late=True)  # float32: CUDA cores
-    with pytest.raises(TypeError, match="trigger_late must be a bool"):
-        K.linear(xh, wh, trigger_late=1)
+    with pytest.raises(TypeError, match="trigger="):
+        K.linear(x, w, trigger="waited")  # float32: CUDA cores
+    for bad in ("late", 1, True, None):
+        with pytest.raises(ValueError, match="trigger must be one of"):
+            K.linear(xh, wh, trigger=bad)
     with pytest.raises(ValueError, match="too slow"):
         K.linear(cp.ones((1, 70000), np.float16), cp.ones((16, 70000), np.float16), pace=1)
     with pytest.raises(ValueError, match="tile"):  # tensor cores take n-tiles per pass

@@ -243,10 +243,14 @@ def test_paced_products_keep_the_tokens(small, dtype, monkeypatch):
         assert [model.generate(p, 40) for p in prompts] == plain
 
 
-def test_late_mlp_up_keeps_the_tokens(small, monkeypatch):
-    """The MLP up letting the MLP down start only after its wait (DECODE_UP_LATE_WIDTHS, at
-    batch 1; GPT-2 XL's width, here set to GPT-2 small's) gives each prompt the tokens it gets
-    without, alone; a batch keeps its MLP ups as they were."""
+@pytest.mark.parametrize("points", [
+    {"qkv": "requested", "proj": "waited", "up": "waited", "down": "requested"},
+    {"qkv": "waited", "proj": "requested", "up": "requested", "down": "waited"}], ids=["a", "b"])
+def test_product_triggers_keep_the_tokens(small, monkeypatch, points):
+    """The products letting the next kernel start later than as they start
+    (DECODE_PRODUCT_TRIGGERS, at batch 1; here every role of GPT-2 small's width, at each later
+    point in one of the cases) give each prompt the tokens it gets without, alone; a batch keeps
+    its products' triggers at their start."""
     import cupy_kernels as K
     import gpt2_cupy.model as M
 
@@ -254,24 +258,25 @@ def test_late_mlp_up_keeps_the_tokens(small, monkeypatch):
     model = GPT2.from_hf(hf, "float16")
     rng = np.random.default_rng(15)
     prompts = [rng.integers(0, 50257, int(n)).tolist() for n in (1, 70)]
-    lates, real = [], K.linear
+    triggers, real = [], K.linear
 
     def spy(*args, **kwargs):
-        lates.append(kwargs.get("trigger_late", False))
+        triggers.append(kwargs.get("trigger", "start"))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(K, "linear", spy)
-    monkeypatch.setattr(M, "DECODE_UP_LATE_WIDTHS", ())
+    monkeypatch.setattr(M, "DECODE_PRODUCT_TRIGGERS", {})
     plain = [model.generate(p, 40) for p in prompts]
-    assert lates and not any(lates)
-    monkeypatch.setattr(M, "DECODE_UP_LATE_WIDTHS", (model.config.n_embd,))
+    assert triggers and set(triggers) == {"start"}
+    monkeypatch.setattr(M, "DECODE_PRODUCT_TRIGGERS", {model.config.n_embd: points})
     model._engine = None  # the sessions (and their recorded steps) of the setting before
-    lates.clear()
+    triggers.clear()
     assert [model.generate(p, 40) for p in prompts] == plain
-    assert lates.count(True) == 2 * model.config.n_layer  # every block's MLP up, in two sessions (64, 128 rows)
-    lates.clear()
+    n = 2 * model.config.n_layer  # each role in every block, in two sessions (64, 128 rows)
+    assert triggers.count("requested") == 2 * n and triggers.count("waited") == 2 * n
+    triggers.clear()
     assert model.generate(prompts, 40) == plain
-    assert not any(lates)
+    assert triggers and set(triggers) == {"start"}
 
 
 def test_fast_pace_keeps_the_tokens(small, monkeypatch):
