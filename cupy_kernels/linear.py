@@ -587,7 +587,8 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
     kern((blocks, grid_y), (threads,),
          _args(out, x, weight, bias, ln_args, res, part, kv, B, N, K)
          + (i32(xs_stride), null if fold is None else fold[0], null if stats_out is None else stats_out,
-            null if fold is None else fold[1], null if fold is None else fold[2], i32(pace_ps), i32(TRIGGERS.index(trigger))),
+            null if fold is None else fold[1], null if fold is None else fold[2], i32(pace_ps),
+            i32(TRIGGERS.index(trigger))),
          shared_mem=smem)
     return blocks, part
 
