@@ -114,6 +114,8 @@ def main():
                     K.linear(x, wt, ln_fold=(stats, u, c, 1e-5), gelu=True, tile=tile)
                     K.linear_argmax(x, wt, ln_fold=(stats, u, c, 1e-5), tile=tile)
                 K.linear(x, wt, bias, gelu=True, pace=500)  # blocks requesting their weights paced
+                for trigger in ("requested", "waited"):  # the next kernel let start later
+                    K.linear(x, wt, bias, residual=res, out=res, trigger=trigger)
                 if B <= 8:  # one n-tile with W a batch ahead (a block an SM)
                     K.linear(x, wt, bias, residual=res, out=res, stats_out=cp.empty((B, -(-N // 16), 2), np.float32),
                              ahead=True)

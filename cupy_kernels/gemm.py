@@ -89,10 +89,9 @@ def gemm_tiles(M: int, N: int, sms: int, smem_sm: int = 228 * 1024) -> str:
     25.0 / 70.3. In the two files' 96 cases (8, 64, 128 and 256 rows, 4 shapes and 2 epilogues, 2
     sizes, 2 dtypes) it takes a 16-column tile exactly where one is the fastest."""
 
-    def one_wave(name: str) -> bool:
+    def one_wave(name: str) -> bool:  # (shared memory bounds these tiles' blocks an SM, 1 KiB a block kept)
         t = TILES[name]
-        per_sm = min(smem_sm // (t.smem_bytes + 1024), 2048 // t.threads)  # (1 KiB an SM keeps a block)
-        return _build.cdiv(M, t.bm) * _build.cdiv(N, t.bn) <= per_sm * sms
+        return _build.cdiv(M, t.bm) * _build.cdiv(N, t.bn) <= smem_sm // (t.smem_bytes + 1024) * sms
 
     if one_wave("64x16w4"):
         return "64x16w4"
