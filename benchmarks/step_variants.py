@@ -8,9 +8,10 @@ on the H100 (208.7-211.9 us, benchmarks/results/late_release_one_process-h100.lo
 as many changes measured. Here each case (size:dtype:batch) makes one model (random weights,
 seed 0) and one session by a 512-token greedy call; then the step is recorded once per
 variant over that session's buffers and captured as a CUDA graph with programmatic dependent
-launch. Four rounds, in alternating order, swap each variant's graph into the session and
-time a 512-token call (wall time a token, the median of two) and a sweep of 512 replays from
-8 cached keys (us a step: the lengths such a call runs, without the host). The spread of one
+launch. Four rounds, in alternating order, swap each variant's graphs into the session and
+time a 512-token call (wall time a token, the median of two) and a sweep of 512 steps from
+8 cached keys (us a step: the lengths such a call runs, without the host; 512 / n launches of
+the session's graph of n steps, ``gpt2_cupy.engine.STEPS_PER_GRAPH``). The spread of one
 variant's rounds is about 0.2%.
 
 A variant is ``name`` or ``name:CONST=value[;CONST=value...]``: constants (Python literals)
@@ -93,16 +94,23 @@ def _call_us(model, prompts) -> float:
     return (time.perf_counter() - t0) / NEW * 1e6
 
 
+# what a variant sets in the session (Session.set_steps_per_graph and the recorded step)
+_STATE = ("step", "step_next", "per_graph", "slots", "pinned", "slot", "publish", "graph", "graph_many", "events",
+          "_event_of", "_next_slot")
+
+
 def _sweep_us(session) -> float:
-    """A step's time over NEW replays of the session's graph from START cached keys (median of 3)."""
+    """A step's time over NEW steps of the session's graphs from START cached keys (median of 3)."""
+    n = session.per_graph
+    graph = session.graph_many if n > 1 else session.graph
     times = []
     with session.stream:
         for _ in range(3):
             session.cache.positions.set(np.full(session.batch, START, np.int32))
             start, stop = cp.cuda.Event(), cp.cuda.Event()
             start.record(session.stream)
-            for _ in range(NEW):
-                session.graph.launch(session.stream)
+            for _ in range(NEW // n):
+                graph.launch(session.stream)
             stop.record(session.stream)
             stop.synchronize()
             times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / NEW)
@@ -113,6 +121,7 @@ def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]
     import torch
     import transformers
 
+    import gpt2_cupy.engine as E
     from gpt2_cupy import GPT2, SIZES
 
     torch.manual_seed(0)
@@ -134,16 +143,24 @@ def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]
             for k, v in settings.items():
                 setattr(*owners[k], v)
             session.step = model.record_step(session.cache, session.buf, None)
-            session.graph = session.capture(True)
+            if NEW % E.STEPS_PER_GRAPH:
+                raise ValueError(f"variant {name!r}: {NEW} steps are not a whole number of graphs of "
+                                 f"{E.STEPS_PER_GRAPH}")
+            session.set_steps_per_graph(E.STEPS_PER_GRAPH)
         finally:
             for k, v in saved.items():
                 setattr(*owners[k], v)
-        kept[name] = (session.step, session.graph)
+        kept[name] = {a: getattr(session, a) for a in _STATE}
     names = [n for n, _ in variants]
     calls, sweeps = {n: [] for n in names}, {n: [] for n in names}
+    current = names[-1]
     for r in range(ROUNDS):
         for n in names if r % 2 == 0 else names[::-1]:
-            session.step, session.graph = kept[n]
+            session.stream.synchronize()
+            kept[current] = {a: getattr(session, a) for a in _STATE}
+            for a, v in kept[n].items():
+                setattr(session, a, v)
+            current = n
             calls[n].append(statistics.median(_call_us(model, prompts) for _ in range(2)))
             sweeps[n].append(_sweep_us(session))
     ref_call, ref_sweep = statistics.median(calls[names[0]]), statistics.median(sweeps[names[0]])
@@ -151,14 +168,13 @@ def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]
     for name, settings in variants:
         call, sweep = statistics.median(calls[name]), statistics.median(sweeps[name])
         rows.append({"bench": "step_variants", "model": size, "dtype": dtype, "batch": batch, "variant": name,
-                     "settings": {k: repr(v) for k, v in settings.items()},
+                     "settings": {k: repr(v) for k, v in settings.items()}, "steps_per_graph": kept[name]["per_graph"],
                      "call_us_per_token": round(call, 2), "call_rounds": [round(v, 2) for v in calls[name]],
                      "sweep_us": round(sweep, 2), "sweep_rounds": [round(v, 2) for v in sweeps[name]],
                      "call_ratio": round(call / ref_call, 4), "sweep_ratio": round(sweep / ref_sweep, 4)})
         print(f"{size} {dtype} B={batch} {name:16s} call {call:9.1f} us/token ({call / ref_call:.3f}x)  "
               f"sweep {sweep:9.2f} us ({sweep / ref_sweep:.3f}x)  rounds {' '.join(f'{v:.1f}' for v in sweeps[name])}",
               flush=True)
-    session.step, session.graph = kept[names[0]]
     del model, session, kept
     gc.collect()
     return rows

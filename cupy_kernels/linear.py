@@ -607,8 +607,6 @@ def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, til
         raise ValueError("ahead=True runs on tensor cores: float16 / bfloat16 rows of 16-byte vectors")
     if pace is not None:
         raise TypeError("pace= paces the tensor-core product: float16 / bfloat16 rows of 16-byte vectors")
-    if trigger != "start":
-        raise TypeError("trigger= is the tensor-core product's: float16 / bfloat16 rows of 16-byte vectors")
     if any(a is not None for a in stats):
         raise TypeError("ln_fold and stats_out need float16 / bfloat16 rows of 16-byte vectors (K % 8 == 0, "
                         "16-byte aligned): the tensor-core product")
@@ -620,7 +618,8 @@ def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, til
     blocks = _grid(N, tile, warps)
     if part is not None:
         part = part(blocks)
-    kern((blocks,), (32 * warps,), _args(out, x, weight, bias, ln, res, part, kv, B, N, K), shared_mem=smem)
+    kern((blocks,), (32 * warps,), _args(out, x, weight, bias, ln, res, part, kv, B, N, K)
+         + (i32(TRIGGERS.index(trigger)),), shared_mem=smem)
     return blocks, part
 
 
@@ -737,10 +736,10 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
     (programmatic dependent launch) does not fill the memory's queues ahead of the loads the
     kernels before it wait for (never changes the numbers; the LM head's streamed kernel, 17
     to 64 rows of float logits, requests its tiles through a ring and takes no pacing).
-    ``trigger`` (tensor cores): under programmatic dependent launch, when the next kernel may
-    start: "start" (as every block starts), "requested" (once every block has requested its
-    first batch of W) or "waited" (once every block has passed its wait for the kernel ahead);
-    never changes the numbers; the streamed kernel ignores it.
+    ``trigger``: under programmatic dependent launch, when the next kernel may start: "start"
+    (as every block starts), "requested" (once every block has requested its first batch of W)
+    or "waited" (once every block has passed its wait for the kernel ahead); never changes the
+    numbers; the streamed kernel ignores it.
     """
     x, weight, bias, ln, B, N, K = _prepare(x, weight, bias, ln)
     pace = _check_pace(pace)

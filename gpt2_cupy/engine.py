@@ -2,12 +2,17 @@
 of tokens without stalling the GPU.
 
 A :class:`Session` holds everything one shape of generation needs (the decode buffers, a
-KV cache, the recorded LM head and decode step, the decode step's CUDA graph, a stream
+KV cache, the recorded LM head and decode step, the decode step's CUDA graphs, a stream
 of its own and a pinned ring for token read-back). Sessions are kept per model and
 reused by later calls whose batch and cache length round up to the same bucket, so a
-warm call records nothing and captures nothing. Tokens come back asynchronously: the
-host queues up to ``LOOKAHEAD`` steps, each followed by an event, and reads a step's
-tokens only when its event has fired. The step's last kernel (``publish_tokens``) writes
+warm call records nothing and captures nothing. A session has two graphs: one step, and
+``STEPS_PER_GRAPH`` steps in a row, whose kernels chain from one step into the next with
+programmatic dependent launch (the next step's embedding and first product start while the
+step before ends, as the kernels inside a step do) and without a graph launch between them;
+:meth:`Engine.steps` runs the longer one wherever the call has that many steps left. Tokens
+come back asynchronously: the host queues up to ``2 STEPS_PER_GRAPH`` steps (continuous
+batching: ``LOOKAHEAD``), each launch followed by an event, and reads a step's tokens only
+when the event after it has fired. The step's last kernel (``publish_tokens``) writes
 its tokens straight into the next slot of a ring of pinned host memory: a device-to-host
 copy after each step cost 9-10 us of wall time a step (H100, GPT-2 small float16, 512
 steps: 245.4 against 235.9 us at batch 1, 613.1 against 604.2 at batch 64; the copy as a
@@ -35,7 +40,14 @@ import numpy
 import cupy_kernels as K
 from cupy_kernels import _build
 
-LOOKAHEAD = 4  # decode steps queued ahead of the host's read-back
+LOOKAHEAD = 4  # decode steps continuous batching queues ahead of the host's read-back
+# Decode steps one launch of a session's longer graph runs (Engine.steps; 1: one graph a step).
+# H100, us a token: see benchmarks/results/ (steps_per_graph-h100.json).
+STEPS_PER_GRAPH = 4
+# In the graphs, each step's publish_tokens runs on a branch of its own beside the chain of
+# steps (after the step's last kernel, before the graph's end), so that the next step's
+# embedding follows that kernel directly. H100, us a token: benchmarks/results/publish_aside-h100.json.
+PUBLISH_ASIDE = True
 MAX_SESSIONS = 4  # sessions kept per model (least recently used idle ones go first)
 MIN_CACHE = 64  # smallest cache-length bucket
 # Continuous batching refills free slots once 1 / REFILL_FRACTION of them are free: a prefill
@@ -107,16 +119,10 @@ class Session:
             with _build.recording() as self.head:
                 model.head(self.buf, sampling)
             self.step = model.record_step(self.cache, self.buf, sampling)
-            # the ring of read-back slots: the step's tokens go to row slot[0], which moves on
-            self.pinned = cupyx.empty_pinned((LOOKAHEAD, batch), dtype=numpy.int32)
-            self.slot = cupy.zeros(1, dtype=numpy.int32)
-            with _build.recording() as self.publish:
-                K.publish_tokens(self.buf.tokens, self.pinned, self.slot)
         # (The step's rows split into groups replayed on parallel branches of one graph, each
         # group reading every weight, measured on the H100, GPT-2 small float16, 264 cached
         # keys, us a step, one group / two / four: batch 8 297 / 348, batch 64 658 / 697 / 882,
         # batch 256 2073 / 1930 / 2075; GPT-2 XL at 64 6016 / 5826. Not used.)
-        self._next_slot = 0  # slot[0] once the steps queued so far have run
         # (The weights requested into L2 ahead of the products, by l2_prefetch launches on a
         # branch of the graph beside the chain, were measured slower on the H100 at every lead
         # (0.2 / 0.4 / 0.6 of the L2 past the weights read, against none; the step with PDL at 264
@@ -127,16 +133,73 @@ class Session:
         # traffic lengthens the chain, which waits on memory latency more than on bandwidth.
         # Commit 20cfc30 holds the kernel, the schedule and benchmarks/l2_prefetch.py;
         # benchmarks/results/l2_prefetch-h100.json its results.)
-        self.graph = self.capture(_build.pdl_supported()) if cuda_graph else None
-        self.events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(LOOKAHEAD)]
         self.busy = False
         self._model, self._sampling, self._heads = model, sampling, {}
+        self._cuda_graph = cuda_graph
+        self.set_steps_per_graph(STEPS_PER_GRAPH)
+
+    def set_steps_per_graph(self, n: int) -> None:
+        """Make the ring of read-back slots, ``publish_tokens``'s launch and the graphs for
+        ``n`` steps a launch of the longer graph (without CUDA graphs, one step a launch)."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"steps a graph must be a positive int, got {n!r}")
+        self.per_graph = n if self._cuda_graph else 1
+        with self.stream:
+            # the steps after the first in the longer graph (record_step's chained)
+            self.step_next = self._model.record_step(self.cache, self.buf, self._sampling, chained=True) \
+                if self.per_graph > 1 else None
+            # the ring: a step's tokens go to row slot[0], which moves on; two longer graphs'
+            # worth of rows, so that the host reads one's tokens while the next runs
+            self.slots = max(LOOKAHEAD, 2 * self.per_graph)
+            self.pinned = cupyx.empty_pinned((self.slots, self.batch), dtype=numpy.int32)
+            self.slot = cupy.zeros(1, dtype=numpy.int32)
+            with _build.recording() as self.publish:
+                K.publish_tokens(self.buf.tokens, self.pinned, self.slot)
+        self._next_slot = 0
+        pdl = _build.pdl_supported()
+        self.graph = self.capture(pdl) if self._cuda_graph else None
+        self.graph_many = self.capture_many(pdl) if self.per_graph > 1 else None
+        self.events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(self.slots)]
+        self._event_of = list(range(self.slots))  # slot -> the event recorded after its launch
 
     def capture(self, pdl: bool, publish: bool = True):
         """The decode step (and ``publish_tokens``) as a CUDA graph on the session's stream,
         with programmatic dependent launch where ``pdl``."""
+        if not publish:
+            self.stream.synchronize()
+            return _build.capture(self.stream, self.step, pdl=pdl)
+        return self._capture_steps([self.step], pdl)
+
+    def capture_many(self, pdl: bool):
+        """``per_graph`` decode steps in a row, each followed by ``publish_tokens``, as one
+        CUDA graph: the first step as ``step``, the others as ``step_next``."""
+        return self._capture_steps([self.step] + [self.step_next] * (self.per_graph - 1), pdl)
+
+    def _capture_steps(self, steps: list, pdl: bool):
+        """``steps`` in a row, each followed by ``publish_tokens`` (PUBLISH_ASIDE: on a branch
+        of the graph that joins it at the end), as a CUDA graph on the session's stream."""
         self.stream.synchronize()
-        return _build.capture(self.stream, self.step, *([self.publish] if publish else []), pdl=pdl)
+        side = cupy.cuda.Stream(non_blocking=True) if PUBLISH_ASIDE else None
+        self.stream.begin_capture()
+        try:
+            with self.stream:
+                for step in steps:
+                    step.replay(pdl=pdl)
+                    if side is None:
+                        self.publish.replay(pdl=pdl)
+                        continue
+                    done = cupy.cuda.Event(block=False, disable_timing=True)
+                    done.record(self.stream)
+                    side.wait_event(done)
+                    with side:  # (after the step's end: off the chain, no programmatic edge needed)
+                        self.publish.replay()
+                if side is not None:
+                    joined = cupy.cuda.Event(block=False, disable_timing=True)
+                    joined.record(side)
+                    self.stream.wait_event(joined)
+        finally:
+            graph = self.stream.end_capture()
+        return graph
 
     def rows_head(self, k: int):
         """(buffers of batch_bucket(k) rows, the LM head recorded on them): the first tokens
@@ -150,19 +213,28 @@ class Session:
             self._heads[rows] = (buf, plan)
         return self._heads[rows]
 
-    def run_step(self, slot: int) -> None:
-        """One decode step on the session's stream, its tokens into pinned slot ``slot``, marked."""
+    def run_step(self, slot: int, n: int = 1) -> None:
+        """``n`` decode steps (1, or ``per_graph``: the longer graph) on the session's stream,
+        their tokens into pinned slots ``slot``, ``slot + 1``, ... (modulo ``slots``), marked
+        by one event after them."""
         if slot != self._next_slot:  # (a prefill's tokens took the slots in between)
             with self.stream:
                 self.slot.fill(slot)
-        if self.graph is not None:
+        if n != 1:
+            if n != self.per_graph or self.graph_many is None:
+                raise ValueError(f"this session runs 1 or {self.per_graph} steps a launch, not {n}")
+            self.graph_many.launch(stream=self.stream)
+        elif self.graph is not None:
             self.graph.launch(stream=self.stream)
         else:
             with self.stream:
                 self.step.replay()
                 self.publish.replay()
-        self._next_slot = (slot + 1) % LOOKAHEAD
-        self.events[slot].record(self.stream)
+        last = (slot + n - 1) % self.slots
+        self._next_slot = (last + 1) % self.slots
+        self.events[last].record(self.stream)
+        for j in range(n):
+            self._event_of[(slot + j) % self.slots] = last
 
     def send_tokens(self, slot: int) -> None:
         """Queue a copy of the current tokens (a prefill's) into pinned slot ``slot`` and mark it."""
@@ -171,9 +243,10 @@ class Session:
         cupy.cuda.runtime.memcpyAsync(dst, self.buf.tokens.data.ptr, nbytes,
                                       cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
         self.events[slot].record(self.stream)
+        self._event_of[slot] = slot
 
     def receive_tokens(self, slot: int) -> numpy.ndarray:
-        self.events[slot].synchronize()
+        self.events[self._event_of[slot]].synchronize()
         return self.pinned[slot].copy()
 
 
@@ -238,12 +311,15 @@ class Engine:
                     s.buf.offsets.fill(0)
                 s.head.replay()
             s.send_tokens(0)
-            issued, read = 1, 0
+            issued, read = 1, 0  # steps' tokens queued (the prefill's first) / read back
             while read < max_new_tokens:
-                while issued < max_new_tokens and issued - read < LOOKAHEAD:
-                    s.run_step(issued % LOOKAHEAD)
-                    issued += 1
-                tokens = s.receive_tokens(read % LOOKAHEAD)
+                while issued < max_new_tokens:
+                    n = s.per_graph if max_new_tokens - issued >= s.per_graph else 1
+                    if issued + n - read > s.slots:
+                        break
+                    s.run_step(issued % s.slots, n)
+                    issued += n
+                tokens = s.receive_tokens(read % s.slots)
                 read += 1
                 yield _emit(tokens, seqs_done, eos_token_id)
                 if all(seqs_done):
@@ -277,7 +353,7 @@ class Engine:
             else:
                 s.send_tokens(ring)
             inflight.append((ring, attrib))
-            ring = (ring + 1) % LOOKAHEAD
+            ring = (ring + 1) % s.slots
 
         def release(slot: int) -> None:  # park the slot at row 0 (its position stays inside the cache)
             holder[slot] = None
@@ -404,5 +480,5 @@ class Engine:
                 return
 
 
-__all__ = ["DecodeBuffers", "Engine", "Session", "LOOKAHEAD", "REFILL_FRACTION", "batch_bucket", "free_bytes",
-           "length_bucket"]
+__all__ = ["DecodeBuffers", "Engine", "Session", "LOOKAHEAD", "PUBLISH_ASIDE", "REFILL_FRACTION", "STEPS_PER_GRAPH",
+           "batch_bucket", "free_bytes", "length_bucket"]

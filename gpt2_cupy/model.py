@@ -605,12 +605,18 @@ class GPT2:
         return bool(DECODE_FIXED_ATTENTION and self.dtype.itemsize == 2 and cache.k.dtype == self.dtype
                     and cfg.head_dim == FIXED_HEAD_DIM and cfg.n_positions <= FIXED_MAX_KEYS and not self.fused_step)
 
-    def record_step(self, cache: KVCache, buf, sampling, fused: bool | None = None) -> _build.Plan:
+    def record_step(self, cache: KVCache, buf, sampling, fused: bool | None = None,
+                    chained: bool = False) -> _build.Plan:
         """The decode step as a launch plan over preallocated buffers (``buf``: tokens
         [B] int32, x [B, C] the residual stream, qkv [B, 3C], att [B, H, D], f [B, 4C],
         logits [B, V] float32, offsets [B] uint64): embed the tokens, run every block on
         the cached keys / values, LM head, next tokens, advance the positions. ``fused``
-        (default: ``self.fused_step``): the persistent kernel where it applies.
+        (default: ``self.fused_step``): the persistent kernel where it applies. ``chained``:
+        the step follows another one in the same CUDA graph (engine.STEPS_PER_GRAPH); its
+        first q|k|v product then lets the next kernel start only once it has passed its wait,
+        since the attentions read the cache positions before their own wait, and the step
+        before moves them on in its last kernel (with programmatic launch, the embedding and
+        that product start during the step before).
 
         Five launches a block (six with a quantized cache): q|k|v, attention (fixed_attention
         in 16-bit models with 16-bit caches, its block width by batch, at batch 1 letting the
@@ -671,13 +677,14 @@ class GPT2:
             for i, blk in enumerate(self.blocks):
                 qkv_in = normalized(blk.attn_b, (blk.ln_1_w, blk.ln_1_b, eps), blk.attn_u, blk.attn_c,
                                     stats is not None and (i > 0 or embed_stats is not None))
+                qkv_trigger = "waited" if chained and i == 0 else trig.get("qkv", "start")
                 if cache.k_scale is None:  # keys and values go into the cache from the product's epilogue
-                    K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, trigger=trig.get("qkv", "start"), **qkv_in,
+                    K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, trigger=qkv_trigger, **qkv_in,
                              kv_cache={"k_cache": cache.k[i], "v_cache": cache.v[i], "positions": cache.positions,
                                        "seq_lens": cache.lengths})
                     appended = (qkv[:, 0, 1], qkv[:, 0, 2])  # the cache's new rows, as the product wrote them
                 else:  # quantized: a row's scale needs all of its D values, which kv_append holds
-                    K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, **qkv_in)
+                    K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, trigger=qkv_trigger, **qkv_in)
                     K.kv_append(k=qkv[:, :, 1], v=qkv[:, :, 2], start=cache.positions, seq_lens=cache.lengths,
                                 **cache.layer(i))
                     appended = None

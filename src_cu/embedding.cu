@@ -25,8 +25,10 @@ template <typename T, int VEC, bool STATS = false>
 __global__ void embedding_kernel(T* __restrict__ out, const int* __restrict__ ids,
                                  const int* __restrict__ positions, const T* __restrict__ wte,
                                  const T* __restrict__ wpe, int C, float2* __restrict__ stats) {
-    griddep_wait();  // programmatic dependent launch: the previous kernel's writes are visible
+    // programmatic dependent launch: the next kernel (a product, which reads only its weights
+    // before its wait) may start at once; the previous kernel's writes are visible after the wait
     griddep_launch_dependents();
+    griddep_wait();
     const long long n = blockIdx.x;
     const T* tok = wte + static_cast<long long>(ids[n]) * C;
     const T* pos = wpe + static_cast<long long>(positions[n]) * C;

@@ -120,6 +120,11 @@ __device__ __forceinline__ void store_row(float* p, const float (&v)[VEC]) {
 
 }  // namespace
 
+// Where a block of a product lets the next kernel start (programmatic dependent launch): at its
+// start, once its first batch of W is requested, or once it has passed its wait (linear.py's
+// trigger=; cupy_kernels/linear.py TRIGGERS, the same order).
+enum Trigger : int { TRIGGER_START = 0, TRIGGER_REQUESTED = 1, TRIGGER_WAITED = 2 };
+
 // Blocks an SM linear_kernel is compiled to fit: 1 (without it, ptxas capped some tiles at 128
 // registers and spilled), but 2 for the LM head's tile (float rows of 16-byte vectors, 4 rows x
 // 2 loads, in many waves) at one row of x a pass. With the LayerNorm prologue that tile took
@@ -140,13 +145,13 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, linear_min_blocks<VEC, RW, U, 
                   const T* __restrict__ ln_w, const T* __restrict__ ln_b, float eps, const T* res,
                   float* __restrict__ part_val, int* __restrict__ part_idx, T* __restrict__ k_cache,
                   T* __restrict__ v_cache, const int* __restrict__ positions, int* __restrict__ seq_lens, int H,
-                  int S_max, int B, int N, int K) {
+                  int S_max, int B, int N, int K, int trigger) {
     extern __shared__ float4 smem4[];
     float* xs = reinterpret_cast<float*>(smem4);  // [BR][K]: this pass's rows of x, as float
     __shared__ float s_sum[MAX_WARPS][BR], s_sq[MAX_WARPS][BR];  // LayerNorm partial sums
     __shared__ float s_best[MAX_WARPS][BR];
     __shared__ int s_idx[MAX_WARPS][BR];
-    griddep_launch_dependents();
+    if (trigger == TRIGGER_START) griddep_launch_dependents();
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     constexpr int STEP = 32 * VEC * U;  // columns covered by one batch of loads
@@ -181,7 +186,9 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, linear_min_blocks<VEC, RW, U, 
         }
     };
     if constexpr (LN) load_ln();
+    if (trigger == TRIGGER_REQUESTED) griddep_launch_dependents();
     griddep_wait();  // x, res, positions: the previous kernels' work
+    if (trigger == TRIGGER_WAITED) griddep_launch_dependents();
 
     for (int b0 = 0; b0 < B; b0 += BR) {
         const int nb = min(BR, B - b0);
@@ -506,10 +513,6 @@ constexpr int RED_STRIDE = 20;  // floats a column of a warp's partial tile take
 // reciprocal deviation r,  LN(x) W0^T + b = r (x W^T - m u) + c,  u = W 1, c = b + W0 beta,
 // where m and r come from the row statistics the product that wrote x left (row_stats).
 enum XInput : int { X_PLAIN = 0, X_LN = 1, X_LN_FOLD = 2 };
-// Where a block of the tensor-core product lets the next kernel start (programmatic dependent
-// launch): at its start, once its first batch of W is requested, or once it has passed its wait
-// (linear.py's trigger=; cupy_kernels/linear.py TRIGGERS, the same order).
-enum Trigger : int { TRIGGER_START = 0, TRIGGER_REQUESTED = 1, TRIGGER_WAITED = 2 };
 
 // Several n-tiles (B > 8) request the next batch's W before this batch's mma: two sets of W
 // registers. H100, the decode step in a CUDA graph with PDL, GPT-2 small float16, us without

@@ -159,8 +159,8 @@ __global__ void __launch_bounds__(ARGMAX_PARTIALS_THREADS)
                            int* __restrict__ positions) {
     __shared__ float s_val[32];
     __shared__ int s_idx[32];
+    griddep_launch_dependents();  // (the publish and the next step's embedding read nothing before their waits)
     griddep_wait();
-    griddep_launch_dependents();
     const long long row = static_cast<long long>(blockIdx.x) * G;
     float best = -INFINITY;
     int bi = -1;
@@ -189,8 +189,8 @@ __global__ void __launch_bounds__(ARGMAX_PARTIALS_THREADS)
 // batch 1 and 64 on the H100, a copy node inside the graph as much; gpt2_cupy/engine.py).
 __global__ void __launch_bounds__(PUBLISH_THREADS)
     publish_tokens_kernel(int* ring, int* __restrict__ slot, const int* __restrict__ tokens, int B, int slots) {
+    griddep_launch_dependents();  // (the next step's embedding reads nothing before its wait)
     griddep_wait();
-    griddep_launch_dependents();
     const int s = *slot;
     for (int b = threadIdx.x; b < B; b += PUBLISH_THREADS) ring[static_cast<long long>(s) * B + b] = tokens[b];
     __syncthreads();  // every thread has read *slot

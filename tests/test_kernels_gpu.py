@@ -344,6 +344,25 @@ def test_linear_pace_keeps_the_bits(B, N, K_, variant, dtype):
     assert all(cp.array_equal(o, outs[0]) for o in outs[1:])
 
 
+@pytest.mark.parametrize("B,N,K_,variant", [(1, 2304, 768, "ln"), (3, 768, 3072, "residual"), (2, 50, 70, "gelu")])
+def test_linear_cuda_core_triggers_keep_the_bits(B, N, K_, variant):
+    """trigger= on the CUDA-core product (float32 rows; K = 70: the element-wise path): each
+    point gives the bits of "start", which match the reference."""
+    rng = np.random.default_rng(B + N + K_)
+    x, w, b, kw, expect = _linear_case(rng, B, N, K_, variant, np.float32)
+    res = kw.pop("residual", None)
+    outs = []
+    for trigger in ("start", "requested", "waited"):
+        out = poisoned((B, N), np.float32)
+        if res is not None:
+            out[...] = res
+            kw["residual"] = out
+        K.linear(x, w, b, out=out, trigger=trigger, **kw)
+        check(out, expect, np.float32)
+        outs.append(out)
+    assert all(cp.array_equal(o, outs[0]) for o in outs[1:])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,H,D,S_max,tile", [(1, 12, 64, 40, None), (3, 25, 64, 7, None), (9, 2, 128, 5, None),
                                               (20, 12, 64, 9, None), (70, 2, 64, 9, 8)])
@@ -599,8 +618,6 @@ def test_linear_bad_inputs_raise():
     for bad in ("fast", True, [1000]):
         with pytest.raises(TypeError, match="pace"):
             K.linear(xh, wh, pace=bad)
-    with pytest.raises(TypeError, match="trigger="):
-        K.linear(x, w, trigger="waited")  # float32: CUDA cores
     for bad in ("late", 1, True, None):
         with pytest.raises(ValueError, match="trigger must be one of"):
             K.linear(xh, wh, trigger=bad)

@@ -41,6 +41,14 @@ def small():
     return hf, GPT2.from_hf(hf, "float32")
 
 
+def recorded_steps() -> int:
+    """Decode steps a session records: the step, and its chained copy where a graph runs
+    several (engine.STEPS_PER_GRAPH, Session.step_next)."""
+    import gpt2_cupy.engine as E
+
+    return 2 if E.STEPS_PER_GRAPH > 1 else 1
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / np.abs(b).max())
@@ -238,7 +246,8 @@ def test_paced_products_keep_the_tokens(small, dtype, monkeypatch):
         model._engine = None  # the sessions (and their recorded steps) of the setting before
         paces.clear()
         batch = model.generate(prompts, 40)
-        assert paces.count(gbps) == 2 * model.config.n_layer  # q|k|v and MLP up of every block
+        # q|k|v and MLP up of every block, in each recorded step
+        assert paces.count(gbps) == 2 * model.config.n_layer * recorded_steps()
         assert batch == plain
         assert [model.generate(p, 40) for p in prompts] == plain
 
@@ -252,10 +261,12 @@ def test_product_triggers_keep_the_tokens(small, monkeypatch, points):
     point in one of the cases) give each prompt the tokens it gets without, alone; a batch keeps
     its products' triggers at their start."""
     import cupy_kernels as K
+    import gpt2_cupy.engine as E
     import gpt2_cupy.model as M
 
     hf, _ = small
     model = GPT2.from_hf(hf, "float16")
+    monkeypatch.setattr(E, "STEPS_PER_GRAPH", 1)  # (the chained steps' first product: the test below)
     rng = np.random.default_rng(15)
     prompts = [rng.integers(0, 50257, int(n)).tolist() for n in (1, 70)]
     triggers, real = [], K.linear
@@ -279,6 +290,39 @@ def test_product_triggers_keep_the_tokens(small, monkeypatch, points):
     assert triggers and set(triggers) == {"start"}
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_steps_chained_in_one_graph_keep_the_tokens(small, monkeypatch, dtype):
+    """Sessions that run STEPS_PER_GRAPH decode steps a graph launch (each step's embedding and
+    first product starting while the step before ends) give every prompt the tokens of one step
+    a launch: alone, in a batch, for every call length around the graph's steps, and up to an
+    end-of-text token."""
+    import gpt2_cupy.engine as E
+
+    hf, _ = small
+    model = GPT2.from_hf(hf, dtype)
+    rng = np.random.default_rng(16)
+    prompts = [rng.integers(0, 50257, int(n)).tolist() for n in (1, 9, 70)]
+    monkeypatch.setattr(E, "STEPS_PER_GRAPH", 1)
+    plain = [model.generate(p, 41) for p in prompts]
+    assert model.generate(prompts, 41) == plain
+    monkeypatch.setattr(E, "STEPS_PER_GRAPH", 4)
+    model._engine = None  # the sessions of one step a launch
+    launches, real = [], E.Session.run_step
+
+    def spy(self, slot, n=1):
+        launches.append(n)
+        return real(self, slot, n)
+
+    monkeypatch.setattr(E.Session, "run_step", spy)
+    assert [model.generate(p, 41) for p in prompts] == plain
+    assert launches.count(4) == 3 * 10 and launches.count(1) == 0  # 40 steps a call after the prefill's token
+    assert model.generate(prompts, 41) == plain
+    for new in range(1, 14):
+        assert model.generate(prompts[1], new) == plain[1][:len(prompts[1]) + new]
+    eos = plain[2][len(prompts[2]) + 6]
+    assert model.generate(prompts[2], 41, eos_token_id=eos) == plain[2][:plain[2].index(eos, len(prompts[2])) + 1]
+
+
 def test_fast_pace_keeps_the_tokens(small, monkeypatch):
     """GPT-2 small's sessions of 5 to 8 rows pace at DECODE_PACE_FAST's rate, and each prompt
     gets the tokens it gets unpaced, in the batch and alone."""
@@ -298,7 +342,7 @@ def test_fast_pace_keeps_the_tokens(small, monkeypatch):
 
     monkeypatch.setattr(K, "linear", spy)
     batch = model.generate(prompts, 24)
-    assert paces.count(gbps) == 2 * model.config.n_layer  # q|k|v and MLP up of every block
+    assert paces.count(gbps) == 2 * model.config.n_layer * recorded_steps()  # q|k|v and MLP up of every block
     monkeypatch.setattr(M, "DECODE_PACE_GBPS", 0)
     model._engine = None
     paces.clear()
