@@ -42,11 +42,20 @@ from cupy_kernels import _build
 
 LOOKAHEAD = 4  # decode steps continuous batching queues ahead of the host's read-back
 # Decode steps one launch of a session's longer graph runs (Engine.steps; 1: one graph a step).
-# H100, us a token: see benchmarks/results/ (steps_per_graph-h100.json).
+# H100, float16, us a step over 512 steps from 8 cached keys on one session's buffers and the
+# wall time a token of a 512-token call, 4 / 1 / 2 / 8 steps a graph (benchmarks/results/
+# steps_per_graph-h100.json, publish_tokens in the chain): GPT-2 small at batch 1 185.76 /
+# 188.27 / 186.69 / 185.30 (calls 187.3 / 189.7 / 188.2 / 186.9), XL 1508.91 / 1511.42 /
+# 1510.04 / 1507.48 (1513.1 / 1515.9 / 1514.4 / 1511.8). Eight would take 0.25% more off GPT-2
+# small's step at twice the wasted steps after an end-of-text.
 STEPS_PER_GRAPH = 4
 # In the graphs, each step's publish_tokens runs on a branch of its own beside the chain of
-# steps (after the step's last kernel, before the graph's end), so that the next step's
-# embedding follows that kernel directly. H100, us a token: benchmarks/results/publish_aside-h100.json.
+# steps (after the step's last kernel, joining the graph at its end), so that the next step's
+# embedding follows the argmax directly. H100 (another machine), the same measure, 4 steps a
+# graph, branch / chain, and 1 step a graph, branch / chain (benchmarks/results/
+# publish_aside-h100.json): GPT-2 small at batch 1 185.32 / 186.11 and 188.94 / 188.60, at
+# batch 8 235.92 / 236.59 and 240.57 / 239.94, XL at batch 1 1525.56 / 1526.47 and 1529.22 /
+# 1528.20.
 PUBLISH_ASIDE = True
 MAX_SESSIONS = 4  # sessions kept per model (least recently used idle ones go first)
 MIN_CACHE = 64  # smallest cache-length bucket
