@@ -10,11 +10,12 @@ warm call records nothing and captures nothing. A session has two graphs: one st
 programmatic dependent launch (the next step's embedding and first product start while the
 step before ends, as the kernels inside a step do) and without a graph launch between them;
 :meth:`Engine.steps` runs the longer one wherever the call has that many steps left. Tokens
-come back asynchronously: the host queues up to ``2 STEPS_PER_GRAPH`` steps (continuous
-batching: ``LOOKAHEAD``), each launch followed by an event, and reads a step's tokens only
-when the event after it has fired. The step's last kernel (``publish_tokens``) writes
-its tokens straight into the next slot of a ring of pinned host memory: a device-to-host
-copy after each step cost 9-10 us of wall time a step (H100, GPT-2 small float16, 512
+come back asynchronously: the host queues up to ``max(LOOKAHEAD, 2 STEPS_PER_GRAPH)``
+steps (continuous batching: ``LOOKAHEAD``), each launch followed by an event, and reads a
+step's tokens only when the event after it has fired. A kernel after each step
+(``publish_tokens``, on a branch of the graph: ``PUBLISH_ASIDE``) writes the step's tokens
+straight into the next slot of a ring of pinned host memory: a device-to-host copy after
+each step cost 9-10 us of wall time a step (H100, GPT-2 small float16, 512
 steps: 245.4 against 235.9 us at batch 1, 613.1 against 604.2 at batch 64; the copy as a
 node of the step's graph measured the same). The first tokens of a prefill are copied.
 A sequence that ends (end-of-text) may cost a few steps of wasted GPU work; the tokens

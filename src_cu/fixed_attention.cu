@@ -20,7 +20,10 @@
 // Programmatic dependent launch: each warp's first two tiles are requested before
 // griddep_wait(). With positions (a decode step: the row the q|k|v product appends for each
 // sequence, seq_lens = positions + 1), the rows below it, written by earlier steps, come before
-// the wait and the appended row after it, through L2; without, all of them after it. The next
+// the wait and the appended row after it, through L2; without, all of them after it. (So the
+// positions must be final when this kernel starts: where decode steps chain in one CUDA graph,
+// the step's first q|k|v product lets it start only after that product's own wait;
+// gpt2_cupy/model.py, record_step's chained.) The next
 // kernel may start once every block has passed its wait, or with early, once every block has
 // requested those rows (before its wait): the same numbers either way.
 //
