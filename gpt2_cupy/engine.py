@@ -12,10 +12,10 @@ step before ends, as the kernels inside a step do) and without a graph launch be
 :meth:`Engine.steps` runs the longer one wherever the call has that many steps left. Tokens
 come back asynchronously: the host queues up to ``max(LOOKAHEAD, 2 STEPS_PER_GRAPH)``
 steps (continuous batching: ``LOOKAHEAD``), each launch followed by an event, and reads a
-step's tokens only when the event after it has fired. A kernel after each step
-(``publish_tokens``, on a branch of the graph: ``PUBLISH_ASIDE``) writes the step's tokens
-straight into the next slot of a ring of pinned host memory: a device-to-host copy after
-each step cost 9-10 us of wall time a step (H100, GPT-2 small float16, 512
+step's tokens only when the event after it has fired. The last kernel of each step
+(``publish_tokens``) writes the step's tokens straight into the next slot of a ring of
+pinned host memory: a device-to-host copy after each step cost 9-10 us of wall time a step
+(H100, GPT-2 small float16, 512
 steps: 245.4 against 235.9 us at batch 1, 613.1 against 604.2 at batch 64; the copy as a
 node of the step's graph measured the same). The first tokens of a prefill are copied.
 A sequence that ends (end-of-text) may cost a few steps of wasted GPU work; the tokens
@@ -50,14 +50,13 @@ LOOKAHEAD = 4  # decode steps continuous batching queues ahead of the host's rea
 # 1510.04 / 1507.48 (1513.1 / 1515.9 / 1514.4 / 1511.8). Eight would take 0.25% more off GPT-2
 # small's step at twice the wasted steps after an end-of-text.
 STEPS_PER_GRAPH = 4
-# In the graphs, each step's publish_tokens runs on a branch of its own beside the chain of
-# steps (after the step's last kernel, joining the graph at its end), so that the next step's
-# embedding follows the argmax directly. H100 (another machine), the same measure, 4 steps a
-# graph, branch / chain, and 1 step a graph, branch / chain (benchmarks/results/
-# publish_aside-h100.json): GPT-2 small at batch 1 185.32 / 186.11 and 188.94 / 188.60, at
-# batch 8 235.92 / 236.59 and 240.57 / 239.94, XL at batch 1 1525.56 / 1526.47 and 1529.22 /
-# 1528.20.
-PUBLISH_ASIDE = True
+# (publish_tokens on a branch of the graph beside the chain of steps, after its step's argmax,
+# so that the next step's embedding follows the argmax directly, measured faster on the H100:
+# 4 steps a graph, branch / chain, us a step as above (benchmarks/results/publish_aside-h100.json,
+# another machine): GPT-2 small at batch 1 185.32 / 186.11, at batch 8 235.92 / 236.59, XL
+# 1525.56 / 1526.47. Not kept: nothing ordered that branch's read of the tokens before the next
+# step's argmax rewrites them. A join of the branch into the chain before that argmax is not
+# built yet.)
 MAX_SESSIONS = 4  # sessions kept per model (least recently used idle ones go first)
 MIN_CACHE = 64  # smallest cache-length bucket
 # Continuous batching refills free slots once 1 / REFILL_FRACTION of them are free: a prefill
@@ -175,41 +174,15 @@ class Session:
     def capture(self, pdl: bool, publish: bool = True):
         """The decode step (and ``publish_tokens``) as a CUDA graph on the session's stream,
         with programmatic dependent launch where ``pdl``."""
-        if not publish:
-            self.stream.synchronize()
-            return _build.capture(self.stream, self.step, pdl=pdl)
-        return self._capture_steps([self.step], pdl)
+        self.stream.synchronize()
+        return _build.capture(self.stream, self.step, *([self.publish] if publish else []), pdl=pdl)
 
     def capture_many(self, pdl: bool):
         """``per_graph`` decode steps in a row, each followed by ``publish_tokens``, as one
         CUDA graph: the first step as ``step``, the others as ``step_next``."""
-        return self._capture_steps([self.step] + [self.step_next] * (self.per_graph - 1), pdl)
-
-    def _capture_steps(self, steps: list, pdl: bool):
-        """``steps`` in a row, each followed by ``publish_tokens`` (PUBLISH_ASIDE: on a branch
-        of the graph that joins it at the end), as a CUDA graph on the session's stream."""
         self.stream.synchronize()
-        side = cupy.cuda.Stream(non_blocking=True) if PUBLISH_ASIDE else None
-        self.stream.begin_capture()
-        try:
-            with self.stream:
-                for step in steps:
-                    step.replay(pdl=pdl)
-                    if side is None:
-                        self.publish.replay(pdl=pdl)
-                        continue
-                    done = cupy.cuda.Event(block=False, disable_timing=True)
-                    done.record(self.stream)
-                    side.wait_event(done)
-                    with side:  # (after the step's end: off the chain, no programmatic edge needed)
-                        self.publish.replay()
-                if side is not None:
-                    joined = cupy.cuda.Event(block=False, disable_timing=True)
-                    joined.record(side)
-                    self.stream.wait_event(joined)
-        finally:
-            graph = self.stream.end_capture()
-        return graph
+        return _build.capture(self.stream, self.step, self.publish,
+                              *[self.step_next, self.publish] * (self.per_graph - 1), pdl=pdl)
 
     def rows_head(self, k: int):
         """(buffers of batch_bucket(k) rows, the LM head recorded on them): the first tokens
@@ -227,12 +200,12 @@ class Session:
         """``n`` decode steps (1, or ``per_graph``: the longer graph) on the session's stream,
         their tokens into pinned slots ``slot``, ``slot + 1``, ... (modulo ``slots``), marked
         by one event after them."""
+        if n != 1 and (n != self.per_graph or self.graph_many is None):
+            raise ValueError(f"this session runs 1 or {self.per_graph} steps a launch, not {n}")
         if slot != self._next_slot:  # (a prefill's tokens took the slots in between)
             with self.stream:
                 self.slot.fill(slot)
         if n != 1:
-            if n != self.per_graph or self.graph_many is None:
-                raise ValueError(f"this session runs 1 or {self.per_graph} steps a launch, not {n}")
             self.graph_many.launch(stream=self.stream)
         elif self.graph is not None:
             self.graph.launch(stream=self.stream)
@@ -490,5 +463,5 @@ class Engine:
                 return
 
 
-__all__ = ["DecodeBuffers", "Engine", "Session", "LOOKAHEAD", "PUBLISH_ASIDE", "REFILL_FRACTION", "STEPS_PER_GRAPH",
-           "batch_bucket", "free_bytes", "length_bucket"]
+__all__ = ["DecodeBuffers", "Engine", "Session", "LOOKAHEAD", "REFILL_FRACTION", "STEPS_PER_GRAPH", "batch_bucket",
+           "free_bytes", "length_bucket"]
