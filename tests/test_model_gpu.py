@@ -323,6 +323,35 @@ def test_steps_chained_in_one_graph_keep_the_tokens(small, monkeypatch, dtype):
     assert model.generate(prompts[2], 41, eos_token_id=eos) == plain[2][:plain[2].index(eos, len(prompts[2])) + 1]
 
 
+def test_chained_steps_start_the_attention_after_the_first_product(small, monkeypatch):
+    """In the graph of several steps, a step after the first lets its attention start only once
+    its first q|k|v product has passed its wait (the attentions read the cache positions, which
+    the step before moves on, before their own wait): one "waited" trigger, in the recorded
+    chained step; none where a graph runs one step."""
+    import cupy_kernels as K
+    import gpt2_cupy.engine as E
+    import gpt2_cupy.model as M
+
+    hf, _ = small
+    model = GPT2.from_hf(hf, "float16")
+    monkeypatch.setattr(M, "DECODE_PRODUCT_TRIGGERS", {})
+    triggers, real = [], K.linear
+
+    def spy(*args, **kwargs):
+        triggers.append(kwargs.get("trigger", "start"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(K, "linear", spy)
+    monkeypatch.setattr(E, "STEPS_PER_GRAPH", 1)
+    one = model.generate(PROMPT, 10)
+    assert triggers and set(triggers) == {"start"}
+    monkeypatch.setattr(E, "STEPS_PER_GRAPH", 4)
+    model._engine = None
+    triggers.clear()
+    assert model.generate(PROMPT, 10) == one
+    assert triggers.count("waited") == 1 and set(triggers) == {"start", "waited"}
+
+
 def test_fast_pace_keeps_the_tokens(small, monkeypatch):
     """GPT-2 small's sessions of 5 to 8 rows pace at DECODE_PACE_FAST's rate, and each prompt
     gets the tokens it gets unpaced, in the batch and alone."""
