@@ -50,13 +50,13 @@ LOOKAHEAD = 4  # decode steps continuous batching queues ahead of the host's rea
 # 1510.04 / 1507.48 (1513.1 / 1515.9 / 1514.4 / 1511.8). Eight would take 0.25% more off GPT-2
 # small's step at twice the wasted steps after an end-of-text.
 STEPS_PER_GRAPH = 4
-# (publish_tokens on a branch of the graph beside the chain of steps, after its step's argmax,
-# so that the next step's embedding follows the argmax directly, measured faster on the H100:
-# 4 steps a graph, branch / chain, us a step as above (benchmarks/results/publish_aside-h100.json,
-# another machine): GPT-2 small at batch 1 185.32 / 186.11, at batch 8 235.92 / 236.59, XL
-# 1525.56 / 1526.47. Not kept: nothing ordered that branch's read of the tokens before the next
-# step's argmax rewrites them. A join of the branch into the chain before that argmax is not
-# built yet.)
+# In the graph of several steps, each step's publish_tokens runs on a branch of the graph beside
+# the chain (after its step's argmax), joining the chain before the next step's LM head (whose
+# argmax rewrites the tokens it reads) and at the graph's end, so that the next step's embedding
+# follows the argmax directly. H100, 4 steps a graph, branch without that join / chain, us a step
+# as above (benchmarks/results/publish_aside-h100.json, another machine): GPT-2 small at batch 1
+# 185.32 / 186.11, at batch 8 235.92 / 236.59, XL 1525.56 / 1526.47.
+PUBLISH_ASIDE = True
 MAX_SESSIONS = 4  # sessions kept per model (least recently used idle ones go first)
 MIN_CACHE = 64  # smallest cache-length bucket
 # Continuous batching refills free slots once 1 / REFILL_FRACTION of them are free: a prefill
@@ -179,10 +179,38 @@ class Session:
 
     def capture_many(self, pdl: bool):
         """``per_graph`` decode steps in a row, each followed by ``publish_tokens``, as one
-        CUDA graph: the first step as ``step``, the others as ``step_next``."""
+        CUDA graph: the first step as ``step``, the others as ``step_next``; with
+        PUBLISH_ASIDE, each ``publish_tokens`` on a branch that joins the chain before the next
+        step's LM head (``head_at`` of a recorded step; a step without it joins at its start)."""
+        steps = [self.step] + [self.step_next] * (self.per_graph - 1)
         self.stream.synchronize()
-        return _build.capture(self.stream, self.step, self.publish,
-                              *[self.step_next, self.publish] * (self.per_graph - 1), pdl=pdl)
+        if not PUBLISH_ASIDE:
+            return _build.capture(self.stream, *[p for step in steps for p in (step, self.publish)], pdl=pdl)
+        side = cupy.cuda.Stream(non_blocking=True)
+
+        def mark(stream):
+            event = cupy.cuda.Event(block=False, disable_timing=True)
+            event.record(stream)
+            return event
+
+        self.stream.begin_capture()
+        try:
+            with self.stream:
+                published = None  # the event after the step before's publish_tokens, on the branch
+                for step in steps:
+                    at = getattr(step, "head_at", 0)
+                    _build.Plan(step[:at]).replay(pdl=pdl)
+                    if published is not None:
+                        self.stream.wait_event(published)  # its tokens read before this step rewrites them
+                    _build.Plan(step[at:]).replay(pdl=pdl)
+                    side.wait_event(mark(self.stream))
+                    with side:
+                        self.publish.replay()
+                    published = mark(side)
+                self.stream.wait_event(published)
+        finally:
+            graph = self.stream.end_capture()
+        return graph
 
     def rows_head(self, k: int):
         """(buffers of batch_bucket(k) rows, the LM head recorded on them): the first tokens
@@ -463,5 +491,5 @@ class Engine:
                 return
 
 
-__all__ = ["DecodeBuffers", "Engine", "Session", "LOOKAHEAD", "REFILL_FRACTION", "STEPS_PER_GRAPH", "batch_bucket",
-           "free_bytes", "length_bucket"]
+__all__ = ["DecodeBuffers", "Engine", "Session", "LOOKAHEAD", "PUBLISH_ASIDE", "REFILL_FRACTION", "STEPS_PER_GRAPH",
+           "batch_bucket", "free_bytes", "length_bucket"]

@@ -702,6 +702,7 @@ class GPT2:
                          **normalized(blk.fc_b, (blk.ln_2_w, blk.ln_2_b, eps), blk.fc_u, blk.fc_c, stats is not None))
                 K.linear(buf.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=buf.x, out=buf.x, stats_out=stats,
                          trigger=trig.get("down", "start"))
+            plan.head_at = len(plan)  # where the LM head's launches begin (engine: the read-back's join)
             self.head(buf, sampling, stats, positions=cache.positions)
         return plan
 
