@@ -228,7 +228,10 @@ def _mma_warps(K: int) -> int:
     benchmarks/results/mlp_down_k_slices-h100.log) medium 585.4 / 589.9, 578.1, 560.6, large
     1086.7 / 1048.8, 1093.3, 1085.8, XL 1631.4 / 1747.4, 1832.5, 1818.5. XL loses 7-15% with
     every one; medium and large gain 3-5% with one each, a different one, which one run does
-    not make a rule of: 16 warps stay. GPT-2 small's MLP down (two batches of W a warp at 8
+    not make a rule of: 16 warps stay. XL's in 12 warps (three batches of 8 chunks a warp, 48K
+    registers: room for a block of the q|k|v product beside it, as GPT-2 small's) lost 8%: 1637.34
+    against 1515.71 us a sweep of 512 replays from 8 cached keys (one session's buffers,
+    benchmarks/results/publish_join-h100.json, "down12"). GPT-2 small's MLP down (two batches of W a warp at 8
     warps, the second after the wait) in K slices of 2 x 8, 4 x 4, 4 x 8 and 8 x 4 warps (H200,
     benchmarks/results/w_prefetch_k_slices_epilogue-h200.log, "ks"): at 264 cached keys B = 1
     222.6, 222.6, 230.1, 233.0 against 220.4 us with 8 warps, B = 8 263.0, 260.7, 278.5, 277.0

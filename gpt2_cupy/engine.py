@@ -53,9 +53,12 @@ STEPS_PER_GRAPH = 4
 # In the graph of several steps, each step's publish_tokens runs on a branch of the graph beside
 # the chain (after its step's argmax), joining the chain before the next step's LM head (whose
 # argmax rewrites the tokens it reads) and at the graph's end, so that the next step's embedding
-# follows the argmax directly. H100, 4 steps a graph, branch without that join / chain, us a step
-# as above (benchmarks/results/publish_aside-h100.json, another machine): GPT-2 small at batch 1
-# 185.32 / 186.11, at batch 8 235.92 / 236.59, XL 1525.56 / 1526.47.
+# follows the argmax directly. H100, 4 steps a graph, branch / chain, us a step as above:
+# GPT-2 small at batch 1 186.30 / 186.67 (calls 187.7 / 188.2), XL 1515.71 / 1517.02 (1520.2 /
+# 1521.4; benchmarks/results/publish_join-h100.json, with the join; racecheck on 3 layers of
+# GPT-2 small, 10 tokens at batch 1 and 3: no hazard, publish_join_racecheck-h100.log); without
+# the join (publish_aside-h100.json, another machine) 185.32 / 186.11, at batch 8 235.92 /
+# 236.59, XL 1525.56 / 1526.47.
 PUBLISH_ASIDE = True
 MAX_SESSIONS = 4  # sessions kept per model (least recently used idle ones go first)
 MIN_CACHE = 64  # smallest cache-length bucket
