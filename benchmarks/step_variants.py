@@ -95,7 +95,7 @@ def _call_us(model, prompts) -> float:
 
 
 # what a variant sets in the session (Session.set_steps_per_graph and the recorded step)
-_STATE = ("step", "step_next", "per_graph", "slots", "pinned", "slot", "publish", "graph", "graph_many", "events",
+_STATE = ("step", "step_lead", "step_next", "per_graph", "slots", "pinned", "slot", "publish", "graph", "graph_many", "events",
           "_event_of", "_next_slot")
 
 
@@ -118,11 +118,11 @@ def _sweep_us(session) -> float:
     return statistics.median(times)
 
 
-def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]) -> list[dict]:
+def random_model(size: str, dtype: str):
+    """GPT2 of ``size`` in ``dtype`` with transformers' random weights of seed 0."""
     import torch
     import transformers
 
-    import gpt2_cupy.engine as E
     from gpt2_cupy import GPT2, SIZES
 
     torch.manual_seed(0)
@@ -131,6 +131,13 @@ def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]
     model = GPT2.from_hf(hf, dtype)
     del hf
     torch.cuda.empty_cache()
+    return model
+
+
+def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]) -> list[dict]:
+    import gpt2_cupy.engine as E
+
+    model = random_model(size, dtype)
     prompts = [PROMPT] * batch if batch > 1 else PROMPT
     model.generate(prompts, NEW)  # the session every variant's step runs on
     (session,) = [s for pool in model.engine._sessions.values() for s in pool]
@@ -181,27 +188,35 @@ def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]
     return rows
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("cases", nargs="+", help="size:dtype:batch, e.g. gpt2:float16:1")
+def parse_command_line(doc: str, name: str, case_help: str, case_of) -> tuple[list, list, str]:
+    """(cases, variants, results name) of a variants benchmark's command line: cases parsed by
+    ``case_of``, then ``--variant`` (repeated; the first is the reference) and ``--name``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("cases", nargs="+", help=case_help)
     p.add_argument("--variant", action="append", required=True,
                    help="name[:CONST=value;...] (constants of gpt2_cupy.model, or module.CONST); repeat; the first "
                         "is the reference")
-    p.add_argument("--name", default="step_variants", help="results file name (without -<device>.json)")
+    p.add_argument("--name", default=name, help="results file name (without -<device>.json)")
     args = p.parse_args()
     try:
-        cases = [parse_case(c) for c in args.cases]
+        cases = [case_of(c) for c in args.cases]
         variants = [parse_variant(v) for v in args.variant]
     except ValueError as err:
         p.error(str(err))
     if len({n for n, _ in variants}) != len(variants):
         p.error("variant names must differ")
+    return cases, variants, args.name
+
+
+def main():
+    cases, variants, name = parse_command_line(__doc__, "step_variants", "size:dtype:batch, e.g. gpt2:float16:1",
+                                               parse_case)
     print(banner(), flush=True)
     rows = []
     for size, dtype, batch in cases:
         rows += run_case(size, dtype, batch, variants)
-        write_results(args.name, rows, {})  # (after every case: a run cut short keeps what it measured)
-    print(f"wrote {write_results(args.name, rows, {})}")
+        write_results(name, rows, {})  # (after every case: a run cut short keeps what it measured)
+    print(f"wrote {write_results(name, rows, {})}")
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ _build.declare(
 )
 _ARGMAX_SRC = "sampling.cu"
 _ARGMAX_NAME = "argmax_partials_kernel"
-_build.declare(_ARGMAX_SRC, [_ARGMAX_NAME], pdl=True)
+_build.declare(_ARGMAX_SRC, [_ARGMAX_NAME] + [f"argmax_embed_kernel<{c}>" for c in _HALVES], pdl=True)
 _ARGMAX_THREADS = 256  # sampling.cu's ARGMAX_PARTIALS_THREADS
 
 
@@ -792,14 +792,19 @@ def _check_pace(pace):
 
 
 def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, out=None, tile=None,
-                  warps=None, advance=None) -> cupy.ndarray:
+                  warps=None, advance=None, embed=None) -> cupy.ndarray:
     """Greedy next tokens: int32 [B], the first index of each row's largest value of
     ``norm(x) @ weight.T + bias`` (arguments as :func:`linear`), without a second pass
     over the logits: each block of the product reduces its own outputs, then one small
     kernel reduces the blocks' results. ``logits`` (float32 [B, N]) receives the logits
     when given; otherwise they are never written. ``advance`` (int32 [B], optional): also
     ``advance += 1`` once the tokens are written (:func:`kv_advance` of a decode step's
-    positions, in the same launch).
+    positions, in the same launch). ``embed=(wte, wpe, x_out, stats_out)`` (with ``advance``;
+    float16 / bfloat16 rows of 16-byte vectors): the same launch then also writes the next
+    decode step's embedding of each row's token at its moved position, as
+    :func:`~cupy_kernels.embedding.embedding` with ``stats_out`` does (x_out [B, C], stats_out
+    float32 [B, ceil(C / 16), 2]; the same bits); an index past wte's or wpe's rows reads
+    their last row. x_out may be x (the kernel writes it after the product has read it).
     """
     x, weight, bias, ln, B, N, K = _prepare(x, weight, bias, ln)
     if logits is not None:
@@ -807,6 +812,8 @@ def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, o
     out = _checks.output(out, "out", (B,), numpy.int32)
     if advance is not None:
         advance = _checks.output(advance, "advance", (B,), numpy.int32)
+    if embed is not None:
+        embed = _check_embed(embed, x, B, advance)
     stats = _stats_args(ln_fold, B, N, K, bias, ln)
     if B == 0:
         return out
@@ -815,6 +822,34 @@ def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, o
     blocks, part = _launch(x, weight, bias, ln, None, logits, lambda blocks: (
         cupy.empty((B, blocks), dtype=numpy.float32), cupy.empty((B, blocks), dtype=numpy.int32)),
         None, "float", "argmax", B, N, K, tile, warps, stats)
-    kern = _build.kernel(_ARGMAX_SRC, _ARGMAX_NAME)
-    kern((B,), (_ARGMAX_THREADS,), (out, part[0], part[1], i32(blocks), 0 if advance is None else advance))
+    args = (out, part[0], part[1], i32(blocks), 0 if advance is None else advance)
+    if embed is None:
+        _build.kernel(_ARGMAX_SRC, _ARGMAX_NAME)((B,), (_ARGMAX_THREADS,), args)
+    else:
+        wte, wpe, x_out, stats_out = embed
+        kern = _build.kernel(_ARGMAX_SRC, f"argmax_embed_kernel<{_build.ctype(wte.dtype)}>")
+        kern((B,), (_ARGMAX_THREADS,), args + (x_out, stats_out, wte, wpe, i32(wte.shape[1]), i32(wte.shape[0]),
+                                                i32(wpe.shape[0])))
     return out
+
+
+def _check_embed(embed, x, B: int, advance):
+    """embed= of linear_argmax for rows x, checked: (wte, wpe, x_out, stats_out)."""
+    if advance is None:
+        raise ValueError("embed= embeds at the moved positions: pass advance= (the positions) too")
+    if not isinstance(embed, (tuple, list)) or len(embed) != 4:
+        raise TypeError("embed must be (wte, wpe, x_out, stats_out)")
+    wte = _checks.float_array(embed[0], "wte", ndim=2)
+    wpe = _checks.float_array(embed[1], "wpe", ndim=2)
+    _checks.same_dtype(x, "x", wte=wte, wpe=wpe)
+    C = wte.shape[1]
+    if wpe.shape[1] != C:
+        raise ValueError(f"wpe has {wpe.shape[1]} columns but wte has {C}")
+    if wte.shape[0] == 0 or wpe.shape[0] == 0:
+        raise ValueError("wte and wpe need at least one row each")
+    x_out = _checks.output(embed[2], "x_out", (B, C), wte.dtype)
+    if wte.dtype.itemsize != 2 or _checks.vec_width(wte.dtype, C, wte, wpe, x_out) != 8:
+        raise TypeError(f"embed needs float16 / bfloat16 rows of 16-byte vectors (C % 8 == 0, 16-byte aligned), "
+                        f"got {wte.dtype} rows of {C}")
+    stats_out = _check_stats(embed[3], "stats_out", B, C)
+    return wte, wpe, x_out, stats_out

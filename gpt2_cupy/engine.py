@@ -157,9 +157,12 @@ class Session:
             raise ValueError(f"steps a graph must be a positive int, got {n!r}")
         self.per_graph = n if self._cuda_graph else 1
         with self.stream:
-            # the steps after the first in the longer graph (record_step's chained)
-            self.step_next = self._model.record_step(self.cache, self.buf, self._sampling, chained=True) \
-                if self.per_graph > 1 else None
+            # the longer graph's first step (its argmax embedding the next step's tokens where the
+            # model does that: embeds_in_argmax) and the steps after it (record_step's chained)
+            model, many = self._model, self.per_graph > 1
+            self.step_lead = model.record_step(self.cache, self.buf, self._sampling, embed_next=True) \
+                if many and model.embeds_in_argmax(self._sampling) else self.step
+            self.step_next = model.record_step(self.cache, self.buf, self._sampling, chained=True) if many else None
             # the ring: a step's tokens go to row slot[0], which moves on; two longer graphs'
             # worth of rows, so that the host reads one's tokens while the next runs
             self.slots = max(LOOKAHEAD, 2 * self.per_graph)
@@ -182,10 +185,10 @@ class Session:
 
     def capture_many(self, pdl: bool):
         """``per_graph`` decode steps in a row, each followed by ``publish_tokens``, as one
-        CUDA graph: the first step as ``step``, the others as ``step_next``; with
+        CUDA graph: the first step as ``step_lead``, the others as ``step_next``; with
         PUBLISH_ASIDE, each ``publish_tokens`` on a branch that joins the chain before the next
         step's LM head (``head_at`` of a recorded step; a step without it joins at its start)."""
-        steps = [self.step] + [self.step_next] * (self.per_graph - 1)
+        steps = [self.step_lead] + [self.step_next] * (self.per_graph - 1)
         self.stream.synchronize()
         if not PUBLISH_ASIDE:
             return _build.capture(self.stream, *[p for step in steps for p in (step, self.publish)], pdl=pdl)

@@ -34,6 +34,19 @@ from .config import SIZES, GPT2Config
 # small's 768-wide ones are 384 tiles of 128 x 128 at 8,192 rows), while its activations stay
 # at about 16 C float32 values a token (GPT-2 XL: 0.8 GiB)
 PREFILL_TOKENS = 8192
+# 16-bit prompts of at most SHORT_PROMPT tokens are prefilled with the decode step's products
+# (cupy_kernels.linear: a weight read once for up to 64 rows, requested before the kernel ahead
+# ends), packed with consecutive short prompts up to SHORT_PACK tokens; longer prompts with the
+# tiled gemm. Each gives a row the same bits alone or packed, and a prompt's length alone picks
+# which, so a prompt gets the same numbers whatever it is prefilled with. (The gemm at 8 rows:
+# GPT-2 XL's q|k|v 6.6 TFLOP/s, 18.6 us against 5.2 for its bytes: benchmarks/results/
+# gemm_short-h100.json.) H100, float16, a warm prefill as generate runs it (its CUDA graph),
+# ms, short prompts on linear / all on the gemm (benchmarks/results/short_prefill-h100.json):
+# GPT-2 small one prompt of 8 tokens 0.391 / 0.578, of 16 0.424 / 0.585, four of 8 0.481 /
+# 0.599, a one-token call of 8 0.511 / 0.702; XL 2.408 / 3.325, 2.723 / 3.319, 3.167 / 3.516,
+# 2.475 / 3.593.
+SHORT_PROMPT = 16
+SHORT_PACK = 64
 # prefills of up to PLAN_TOKENS tokens are recorded once per (prompt lengths, cache rows) and
 # replayed (_forward); a cache keeps the PLANS most recently used
 PLAN_TOKENS = 256
@@ -191,6 +204,13 @@ DECODE_PACE_FAST = {768: (5, 3000)}  # width: (from this many rows on, GB/s)
 # (benchmarks/results/embed_stats-h100.json): GPT-2 small float16 198.83 / 201.10 at batch 1,
 # 250.24 / 252.82 at batch 8, medium 465.21 / 467.87, XL 1589.18 / 1597.32.
 DECODE_EMBED_STATS = True
+# In the graph of several steps (engine.STEPS_PER_GRAPH), greedy 16-bit steps with those
+# statistics: each step's argmax also writes the next step's embedding (linear_argmax's
+# embed=, the same bits), so that a chained step starts with its first q|k|v product: a
+# launch fewer a step. H100, us a step over 512 steps from 8 cached keys on one session's
+# buffers, with / without (benchmarks/results/embed_in_argmax-h100.json): GPT-2 small float16
+# at batch 1 186.12 / 186.49 (calls 188.0 / 188.3 us a token), XL 1516.00 / 1516.01.
+DECODE_EMBED_IN_ARGMAX = True
 # The decode step's attention in 16-bit models with 16-bit caches (head_dim 64, at most 1,024
 # positions): fixed_attention, whose bits do not depend on its block width, so that the width
 # follows the batch (DECODE_FIXED_THREADS: (most sequences, threads), the first that holds B).
@@ -259,6 +279,11 @@ DTYPES = {
 if _build.BFLOAT16 is not None:
     DTYPES["bfloat16"] = (_build.BFLOAT16, "bfloat16")
 _ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+
+def short_prompts(dtype, lengths) -> bool:
+    """Whether prompts of these lengths take the short prompts' products (SHORT_PROMPT)."""
+    return numpy.dtype(dtype) != numpy.float32 and max(lengths) <= SHORT_PROMPT
 
 
 def dtype_name(dtype) -> str:
@@ -435,12 +460,16 @@ class GPT2:
     # forward passes
     # ---------------------------------------------------------------------------------
     def _matmul(self, x: cupy.ndarray, w: cupy.ndarray, bias: cupy.ndarray | None = None,
-                gelu: bool = False, out: cupy.ndarray | None = None) -> cupy.ndarray:
+                gelu: bool = False, out: cupy.ndarray | None = None, short: bool = False) -> cupy.ndarray:
         """x [T, K] @ w.T (+ bias, then GELU) for w [N, K] (out, in): the prefill's products.
-        float16 / bfloat16 on the project's tensor-core gemm, whose bits for a row do not
-        depend on the other rows, so prompts packed together get the numbers they get alone;
-        float32 through cuBLAS (CuPy), whose do, one prompt at a time (prefill_groups)."""
+        float16 / bfloat16 on the project's tensor-core products, whose bits for a row do not
+        depend on the other rows, so prompts packed together get the numbers they get alone:
+        ``linear`` for the tokens of short prompts (``short``, SHORT_PROMPT), ``gemm`` for the
+        rest; float32 through cuBLAS (CuPy), whose bits do depend on them, one prompt at a time
+        (prefill_groups)."""
         if self.dtype != numpy.float32:
+            if short:
+                return K.linear(x, w, bias, gelu=gelu, out=out)
             return K.gemm(x, w, bias, gelu=gelu, out=out)
         y = cupy.matmul(x, w.T, out=out)
         if gelu:
@@ -451,13 +480,18 @@ class GPT2:
 
     def prefill_groups(self, lengths) -> list[tuple[int, int]]:
         """How prompts of these lengths are prefilled: runs [lo, hi) of consecutive prompts,
-        each run one forward over its tokens packed together, of at most PREFILL_TOKENS
-        tokens (or one longer prompt). float32 prefills each prompt alone."""
+        each run one forward over its tokens packed together: short prompts (at most
+        SHORT_PROMPT tokens, 16-bit models) only with short ones, up to SHORT_PACK tokens,
+        the others up to PREFILL_TOKENS tokens (or one longer prompt). float32 prefills each
+        prompt alone."""
         groups, lo, tokens = [], 0, 0
         for i, n in enumerate(lengths):
-            if i > lo and (self.dtype == numpy.float32 or tokens + n > PREFILL_TOKENS):
-                groups.append((lo, i))
-                lo, tokens = i, 0
+            if i > lo:
+                short = short_prompts(self.dtype, lengths[lo:i])
+                if (self.dtype == numpy.float32 or short != short_prompts(self.dtype, [n])
+                        or tokens + n > (SHORT_PACK if short else PREFILL_TOKENS)):
+                    groups.append((lo, i))
+                    lo, tokens = i, 0
             tokens += n
         if lo < len(lengths):
             groups.append((lo, len(lengths)))
@@ -544,6 +578,7 @@ class GPT2:
         if cache is not None:  # each token's cache row: its prompt's slot, at its position
             token_slots = cupy.asarray(numpy.repeat(numpy.asarray(slots, dtype=numpy.int32), lengths))
         last = cupy.asarray(cu_seqlens[1:] - 1)  # each prompt's last token
+        short = short_prompts(self.dtype, lengths)
         x = K.embedding(ids, self.wte, self.wpe, positions)  # [T, C] residual stream
         h = K.layernorm(x, self.blocks[0].ln_1_w, self.blocks[0].ln_1_b, eps=eps)  # [T, C] normalized
         qkv = cupy.empty((T, 3 * C), dtype=self.dtype)
@@ -555,16 +590,16 @@ class GPT2:
                 prev = self.blocks[i - 1]
                 K.layernorm_residual(x, y, blk.ln_1_w, blk.ln_1_b, proj_bias=prev.mlp_proj_b, eps=eps, out=h,
                                      sum_out=x)
-            self._matmul(h, blk.attn_w, blk.attn_b, out=qkv)  # [T, 3C]
+            self._matmul(h, blk.attn_w, blk.attn_b, out=qkv, short=short)  # [T, 3C]
             q, k, v = (qkv.reshape(1, T, 3, H, D)[:, :, j] for j in range(3))  # [1, T, H, D] views
             if cache is not None:  # every token a sequence of one: [T, 1, H, D] views
                 kv = qkv.reshape(T, 1, 3, H, D)
                 K.kv_append(k=kv[:, :, 1], v=kv[:, :, 2], start=positions, slots=token_slots, **cache.layer(i))
             K.flash_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, out=a)
-            self._matmul(a.reshape(T, C), blk.attn_proj_w, out=y)
+            self._matmul(a.reshape(T, C), blk.attn_proj_w, out=y, short=short)
             K.layernorm_residual(x, y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b, eps=eps, out=h, sum_out=x)
-            self._matmul(h, blk.fc_w, blk.fc_b, gelu=True, out=f)  # [T, 4C]
-            self._matmul(f, blk.mlp_proj_w, out=y)  # [T, C]
+            self._matmul(h, blk.fc_w, blk.fc_b, gelu=True, out=f, short=short)  # [T, 4C]
+            self._matmul(f, blk.mlp_proj_w, out=y, short=short)  # [T, C]
         return x, y, last
 
     def logits(self, input_ids) -> cupy.ndarray:
@@ -580,18 +615,24 @@ class GPT2:
     # ---------------------------------------------------------------------------------
     # generation
     # ---------------------------------------------------------------------------------
-    def head(self, buf, sampling, stats=None, positions=None) -> None:
+    def head(self, buf, sampling, stats=None, positions=None, embed: bool = False) -> None:
         """The LM head on the residual stream ``buf.x`` [B, C]: the final LayerNorm fused
         into the product (in the epilogue, from x's row statistics ``stats``, when given),
         then the next tokens into ``buf.tokens``. Greedy (sampling None) reduces the logits
         inside the product (no logits written); sampling is a dict of
         :func:`cupy_kernels.sample`'s settings and writes ``buf.logits`` first.
-        ``positions`` (a decode step's cache positions): moved on by one after the tokens."""
+        ``positions`` (a decode step's cache positions): moved on by one after the tokens.
+        ``embed`` (greedy, with ``stats`` and ``positions``): the argmax's launch also writes
+        the next step's embedding of the tokens into ``buf.x`` and ``stats`` (embeds_in_argmax)."""
         eps = self.config.layer_norm_epsilon
         ln = dict(ln_fold=(stats, self.head_u, self.head_c, eps)) if stats is not None else dict(
             bias=self.lm_head_b, ln=(self.ln_f_w, self.ln_f_b, eps))
+        if embed and (sampling is not None or stats is None or positions is None):
+            raise ValueError("the argmax embeds the next step's tokens in greedy steps with the rows' statistics "
+                             "and positions only")
         if sampling is None:  # (the argmax's last launch moves the positions on)
-            K.linear_argmax(buf.x, self.lm_head, out=buf.tokens, advance=positions, **ln)
+            K.linear_argmax(buf.x, self.lm_head, out=buf.tokens, advance=positions,
+                            embed=(self.wte, self.wpe, buf.x, stats) if embed else None, **ln)
         else:
             K.linear(buf.x, self.lm_head, out_dtype=numpy.float32, out=buf.logits, **ln)
             K.sample(buf.logits, offset=buf.offsets, out=buf.tokens, **sampling)
@@ -605,8 +646,13 @@ class GPT2:
         return bool(DECODE_FIXED_ATTENTION and self.dtype.itemsize == 2 and cache.k.dtype == self.dtype
                     and cfg.head_dim == FIXED_HEAD_DIM and cfg.n_positions <= FIXED_MAX_KEYS and not self.fused_step)
 
+    def embeds_in_argmax(self, sampling) -> bool:
+        """Whether a chained decode step's embedding runs in the argmax of the step before
+        (DECODE_EMBED_IN_ARGMAX): greedy steps of a 16-bit model that fold their LayerNorms."""
+        return bool(DECODE_EMBED_IN_ARGMAX and DECODE_EMBED_STATS and sampling is None and self.folded)
+
     def record_step(self, cache: KVCache, buf, sampling, fused: bool | None = None,
-                    chained: bool = False) -> _build.Plan:
+                    chained: bool = False, embed_next: bool = False) -> _build.Plan:
         """The decode step as a launch plan over preallocated buffers (``buf``: tokens
         [B] int32, x [B, C] the residual stream, qkv [B, 3C], att [B, H, D], f [B, 4C],
         logits [B, V] float32, offsets [B] uint64): embed the tokens, run every block on
@@ -616,7 +662,10 @@ class GPT2:
         first q|k|v product then lets the next kernel start only once it has passed its wait,
         since the attentions read the cache positions before their own wait, and the step
         before moves them on in its last kernel (with programmatic launch, the embedding and
-        that product start during the step before).
+        that product start during the step before). Where ``embeds_in_argmax``, a chained
+        step has no embedding launch: the argmax of the step before wrote its x, as its own
+        argmax writes the next step's. ``embed_next``: so does this step's (the first step of
+        such a graph).
 
         Five launches a block (six with a quantized cache): q|k|v, attention (fixed_attention
         in 16-bit models with 16-bit caches, its block width by batch, at batch 1 letting the
@@ -671,9 +720,11 @@ class GPT2:
             if why is None:
                 return self._record_fused_step(cache, buf)
         trig = DECODE_PRODUCT_TRIGGERS.get(C, {}) if fixed and B == 1 else {}
+        in_argmax = self.embeds_in_argmax(sampling)
         with _build.recording() as plan:
             embed_stats = stats if DECODE_EMBED_STATS else None
-            K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x, stats_out=embed_stats)
+            if not (chained and in_argmax):
+                K.embedding(buf.tokens, self.wte, self.wpe, cache.positions, out=buf.x, stats_out=embed_stats)
             for i, blk in enumerate(self.blocks):
                 qkv_in = normalized(blk.attn_b, (blk.ln_1_w, blk.ln_1_b, eps), blk.attn_u, blk.attn_c,
                                     stats is not None and (i > 0 or embed_stats is not None))
@@ -703,7 +754,7 @@ class GPT2:
                 K.linear(buf.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=buf.x, out=buf.x, stats_out=stats,
                          trigger=trig.get("down", "start"))
             plan.head_at = len(plan)  # where the LM head's launches begin (engine: the read-back's join)
-            self.head(buf, sampling, stats, positions=cache.positions)
+            self.head(buf, sampling, stats, positions=cache.positions, embed=in_argmax and (chained or embed_next))
         return plan
 
     def _decode_warm(self, blk, B: int):

@@ -2,7 +2,8 @@
 // temperature, top-k and top-p, one block of 1024 threads per sequence.
 //
 // argmax: out[b] = the first index of the largest logit of row b.
-// argmax_partials: the same, from per-block partials of linear.cu's ARGMAX epilogue.
+// argmax_partials: the same, from per-block partials of linear.cu's ARGMAX epilogue;
+// argmax_embed: that, then the next decode step's embedding of the token (embedding.cu's).
 // publish_tokens: a decode step's tokens into a ring of slots in pinned host memory.
 //
 // sample: z = logits / temperature; keep the top_k largest z (ties at the k-th value are
@@ -20,9 +21,11 @@
 // the order atomics land in: the choice is deterministic. A token whose probability is
 // below 2^-40 of the most likely one's can't be drawn.
 //
-// Specializations: T in {float, __half, __nv_bfloat16}.
-// Wrapper: cupy_kernels/sampling.py   Tests: tests/test_kernels_gpu.py
+// Specializations: T in {float, __half, __nv_bfloat16}; argmax_embed's T in {__half,
+// __nv_bfloat16} (rows of 16-byte vectors).
+// Wrappers: cupy_kernels/sampling.py, cupy_kernels/linear.py (linear_argmax)   Tests: tests/test_kernels_gpu.py
 #include "common.cuh"
+#include "linear.cuh"
 
 using namespace g2c;
 
@@ -151,16 +154,16 @@ __global__ void __launch_bounds__(THREADS) argmax_kernel(int* __restrict__ out, 
 }
 
 // The last step of a fused argmax: row b's G per-block partials (largest value, its first
-// index; index -1 = none), written by linear_kernel's ARGMAX epilogue, to out[b].
-// Equal values keep the smaller index, as argmax_kernel. positions (optional): positions[b]
-// += 1, the decode step's move to the next token (kv_advance) without a launch of its own.
-__global__ void __launch_bounds__(ARGMAX_PARTIALS_THREADS)
-    argmax_partials_kernel(int* __restrict__ out, const float* __restrict__ val, const int* __restrict__ idx, int G,
-                           int* __restrict__ positions) {
+// index; index -1 = none), written by linear_kernel's ARGMAX epilogue, reduced by the block of
+// row b; the token is returned to every thread. Equal values keep the smaller index, as
+// argmax_kernel. positions (optional): positions[b] += 1, the decode step's move to the next
+// token (kv_advance) without a launch of its own.
+__device__ __forceinline__ int reduce_partials(int* __restrict__ out, const float* __restrict__ val,
+                                               const int* __restrict__ idx, int G, int* __restrict__ positions,
+                                               int& position) {
     __shared__ float s_val[32];
     __shared__ int s_idx[32];
-    griddep_launch_dependents();  // (the publish and the next step's embedding read nothing before their waits)
-    griddep_wait();
+    __shared__ int s_token, s_position;
     const long long row = static_cast<long long>(blockIdx.x) * G;
     float best = -INFINITY;
     int bi = -1;
@@ -177,9 +180,48 @@ __global__ void __launch_bounds__(ARGMAX_PARTIALS_THREADS)
         best = lane < ARGMAX_PARTIALS_THREADS / 32 ? s_val[lane] : -INFINITY;
         bi = lane < ARGMAX_PARTIALS_THREADS / 32 ? s_idx[lane] : -1;
         warp_argmax(best, bi);
-        if (lane == 0) out[blockIdx.x] = bi;
-        if (lane == 0 && positions != nullptr) positions[blockIdx.x] += 1;
+        if (lane == 0) {
+            out[blockIdx.x] = bi;
+            s_token = bi;
+            s_position = positions != nullptr ? positions[blockIdx.x] + 1 : 0;
+            if (positions != nullptr) positions[blockIdx.x] = s_position;
+        }
     }
+    __syncthreads();
+    position = s_position;
+    return s_token;
+}
+
+__global__ void __launch_bounds__(ARGMAX_PARTIALS_THREADS)
+    argmax_partials_kernel(int* __restrict__ out, const float* __restrict__ val, const int* __restrict__ idx, int G,
+                           int* __restrict__ positions) {
+    griddep_launch_dependents();  // (the publish and the next step's embedding read nothing before their waits)
+    griddep_wait();
+    int position;
+    reduce_partials(out, val, idx, G, positions, position);
+}
+
+// argmax_partials_kernel, then the next decode step's embedding of row b from the token and
+// the moved position, as embedding_kernel's STATS variant writes it (x [B, C] and its row
+// statistics [B, C / 16] from linear.cuh's embed_set: the same bits), so that the next step
+// starts with its first product. The embedding's token and position rows are clamped into
+// wte's V and wpe's P rows (a graph's last step embeds for a step that may never run, at the
+// cache's end).
+template <typename T>
+__global__ void __launch_bounds__(ARGMAX_PARTIALS_THREADS)
+    argmax_embed_kernel(int* __restrict__ out, const float* __restrict__ val, const int* __restrict__ idx, int G,
+                        int* __restrict__ positions, T* __restrict__ x, float2* __restrict__ stats,
+                        const T* __restrict__ wte, const T* __restrict__ wpe, int C, int V, int P) {
+    griddep_launch_dependents();  // (the next step's first product reads only its weights before its wait)
+    griddep_wait();
+    int position;
+    const int token = reduce_partials(out, val, idx, G, positions, position);
+    const T* tok = wte + static_cast<long long>(min(max(token, 0), V - 1)) * C;
+    const T* pos = wpe + static_cast<long long>(min(position, P - 1)) * C;
+    const long long b = blockIdx.x;
+    const int n_sets = (C + 15) / 16;
+    for (int j = threadIdx.x; j < n_sets; j += ARGMAX_PARTIALS_THREADS)
+        stats[b * n_sets + j] = embed_set<T>(tok, pos, j, C, x + b * C, static_cast<T*>(nullptr));
 }
 
 // A decode step's B tokens into slot *slot of ring ([slots][B] int32, pinned host memory that

@@ -16,7 +16,6 @@ transformers = pytest.importorskip("transformers")
 
 import cupy_kernels as K  # noqa: E402
 from gpt2_cupy import GPT2  # noqa: E402
-from gpt2_cupy.config import GPT2Config  # noqa: E402
 from gpt2_cupy.engine import DecodeBuffers  # noqa: E402
 from gpt2_cupy.model import KVCache  # noqa: E402
 

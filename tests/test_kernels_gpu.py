@@ -521,6 +521,62 @@ def test_linear_argmax(B, N, K_, ln, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+@pytest.mark.parametrize("B,C", [(1, 768), (3, 1600), (8, 776)])
+def test_linear_argmax_embeds_the_next_tokens(B, C, dtype):
+    """embed=: the argmax's launch also writes each row's embedding of its token at its moved
+    position, with the row statistics: the bits embedding(stats_out=) leaves for those tokens
+    and positions; a position moved past wpe's rows reads its last row; x_out may be x."""
+    rng = np.random.default_rng(B * C)
+    V, P = 5003, 64
+    x, _ = rand(rng, (B, C), dtype)
+    w, _ = rand(rng, (V, C), dtype, 1.0 / np.sqrt(C))
+    wte, _ = rand(rng, (V, C), dtype)
+    wpe, _ = rand(rng, (P, C), dtype)
+    start = rng.integers(0, P - 1, B).astype(np.int32)
+    start[-1] = P - 1  # moved to P: wpe's last row
+    tokens = K.linear_argmax(x, w)
+    sets = -(-C // 16)
+    expect_x, expect_stats = poisoned((B, C), dtype), cp.full((B, sets, 2), np.nan, dtype=np.float32)
+    K.embedding(tokens, wte, wpe, cp.asarray(np.minimum(start + 1, P - 1)), out=expect_x, stats_out=expect_stats)
+    positions = cp.asarray(start)
+    got, x_out, stats = cp.full(B, -7, dtype=np.int32), poisoned((B, C), dtype), cp.full((B, sets, 2), np.nan,
+                                                                                          dtype=np.float32)
+    K.linear_argmax(x, w, out=got, advance=positions, embed=(wte, wpe, x_out, stats))
+    assert cp.array_equal(got, tokens)
+    assert positions.get().tolist() == (start + 1).tolist()
+    assert cp.array_equal(x_out, expect_x) and cp.array_equal(stats, expect_stats)
+    own, stats = x.copy(), cp.full((B, sets, 2), np.nan, dtype=np.float32)  # the product's own x
+    K.linear_argmax(own, w, out=got, advance=cp.asarray(start), embed=(wte, wpe, own, stats))
+    assert cp.array_equal(got, tokens)
+    assert cp.array_equal(own, expect_x) and cp.array_equal(stats, expect_stats)
+
+
+def test_linear_argmax_embed_checks():
+    """embed= needs the positions it embeds at, 16-bit rows of 16-byte vectors of x's dtype and
+    outputs of the rows' shapes: each refused before anything runs."""
+    h = np.float16
+    x, w = cp.ones((2, 64), h), cp.ones((100, 64), h)
+    wte, wpe = cp.ones((100, 64), h), cp.ones((10, 64), h)
+    x_out, stats = cp.zeros((2, 64), h), cp.zeros((2, 4, 2), np.float32)
+    positions, tokens = cp.zeros(2, np.int32), cp.full(2, -7, np.int32)
+    bad = [(ValueError, "advance", dict(embed=(wte, wpe, x_out, stats))),
+           (TypeError, "embed must be", dict(advance=positions, embed=(wte, wpe, x_out))),
+           (ValueError, "columns", dict(advance=positions, embed=(wte, cp.ones((10, 32), h), x_out, stats))),
+           (TypeError, "dtype", dict(advance=positions, embed=(wte.astype(np.float32), wpe, x_out, stats))),
+           (ValueError, "x_out", dict(advance=positions, embed=(wte, wpe, cp.zeros((3, 64), h), stats))),
+           (ValueError, "stats_out", dict(advance=positions, embed=(wte, wpe, x_out, cp.zeros((2, 8, 2), np.float32)))),
+           (ValueError, "at least one row", dict(advance=positions, embed=(wte, wpe[:0], x_out, stats)))]
+    for error, match, kw in bad:
+        with pytest.raises(error, match=match):
+            K.linear_argmax(x, w, out=tokens, **kw)
+    with pytest.raises(TypeError, match="16-byte vectors"):  # float32 rows
+        f = np.float32
+        K.linear_argmax(x.astype(f), w.astype(f), out=tokens, advance=positions,
+                        embed=(wte.astype(f), wpe.astype(f), x_out.astype(f), stats))
+    assert positions.get().tolist() == [0, 0] and tokens.get().tolist() == [-7, -7]  # nothing ran
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
 @pytest.mark.parametrize("B", [17, 40, 64])
 def test_linear_streamed_lm_head(B, dtype):
     """Float logits of a tall weight for 17 to 64 rows (linear_mma_stream_kernel, W through a

@@ -41,12 +41,13 @@ def small():
     return hf, GPT2.from_hf(hf, "float32")
 
 
-def recorded_steps() -> int:
-    """Decode steps a session records: the step, and its chained copy where a graph runs
-    several (engine.STEPS_PER_GRAPH, Session.step_next)."""
+def recorded_steps(model, sampling=None) -> int:
+    """Decode steps a session of ``model`` records: the step, and where a graph runs several
+    (engine.STEPS_PER_GRAPH) its chained copy (Session.step_next) and, where the argmax embeds
+    the next step's tokens, the graph's first step (Session.step_lead)."""
     import gpt2_cupy.engine as E
 
-    return 2 if E.STEPS_PER_GRAPH > 1 else 1
+    return 1 if E.STEPS_PER_GRAPH == 1 else 3 if model.embeds_in_argmax(sampling) else 2
 
 
 def rel_err(a, b) -> float:
@@ -247,7 +248,7 @@ def test_paced_products_keep_the_tokens(small, dtype, monkeypatch):
         paces.clear()
         batch = model.generate(prompts, 40)
         # q|k|v and MLP up of every block, in each recorded step
-        assert paces.count(gbps) == 2 * model.config.n_layer * recorded_steps()
+        assert paces.count(gbps) == 2 * model.config.n_layer * recorded_steps(model)
         assert batch == plain
         assert [model.generate(p, 40) for p in prompts] == plain
 
@@ -293,18 +294,21 @@ def test_product_triggers_keep_the_tokens(small, monkeypatch, points):
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_steps_chained_in_one_graph_keep_the_tokens(small, monkeypatch, dtype):
     """Sessions that run STEPS_PER_GRAPH decode steps a graph launch (each step's embedding and
-    first product starting while the step before ends) give every prompt the tokens of one step
-    a launch: alone, in a batch, for every call length around the graph's steps, and up to an
-    end-of-text token."""
+    first product starting while the step before ends; in float16 that embedding run by the
+    step before's argmax) give every prompt the tokens of one step a launch: alone, in a batch,
+    for every call length around the graph's steps, up to an end-of-text token, and up to the
+    model's last position."""
     import gpt2_cupy.engine as E
 
     hf, _ = small
     model = GPT2.from_hf(hf, dtype)
     rng = np.random.default_rng(16)
     prompts = [rng.integers(0, 50257, int(n)).tolist() for n in (1, 9, 70)]
+    longest = rng.integers(0, 50257, model.config.n_positions - 9).tolist()
     monkeypatch.setattr(E, "STEPS_PER_GRAPH", 1)
     plain = [model.generate(p, 41) for p in prompts]
     assert model.generate(prompts, 41) == plain
+    plain_longest = model.generate(longest, 9)
     monkeypatch.setattr(E, "STEPS_PER_GRAPH", 4)
     model._engine = None  # the sessions of one step a launch
     launches, real = [], E.Session.run_step
@@ -321,6 +325,14 @@ def test_steps_chained_in_one_graph_keep_the_tokens(small, monkeypatch, dtype):
         assert model.generate(prompts[1], new) == plain[1][:len(prompts[1]) + new]
     eos = plain[2][len(prompts[2]) + 6]
     assert model.generate(prompts[2], 41, eos_token_id=eos) == plain[2][:plain[2].index(eos, len(prompts[2])) + 1]
+    assert model.generate(longest, 9) == plain_longest  # (the last graph's argmax embeds past the last position)
+    folds = model.embeds_in_argmax(None)
+    assert folds == (dtype == "float16")
+    sessions = [s for pool in model.engine._sessions.values() for s in pool]
+    assert sessions and all(s.per_graph == 4 for s in sessions)
+    for s in sessions:  # a chained step without its embedding launch where the argmax before it embeds
+        assert len(s.step_next) == len(s.step) - folds and len(s.step_lead) == len(s.step)
+        assert (s.step_lead is s.step) == (not folds)
 
 
 def test_chained_steps_start_the_attention_after_the_first_product(small, monkeypatch):
@@ -371,7 +383,7 @@ def test_fast_pace_keeps_the_tokens(small, monkeypatch):
 
     monkeypatch.setattr(K, "linear", spy)
     batch = model.generate(prompts, 24)
-    assert paces.count(gbps) == 2 * model.config.n_layer * recorded_steps()  # q|k|v and MLP up of every block
+    assert paces.count(gbps) == 2 * model.config.n_layer * recorded_steps(model)  # q|k|v and MLP up of every block
     monkeypatch.setattr(M, "DECODE_PACE_GBPS", 0)
     model._engine = None
     paces.clear()
@@ -406,14 +418,15 @@ def test_decode_step_profile_reads_every_product(small, dtype):
 def test_packed_prefill_equals_each_prompt_alone(small, dtype, monkeypatch):
     """Prompts prefilled together (one forward over their tokens packed along time, or
     several when they exceed the token budget) leave in the cache and in the last residuals
-    exactly the bits each prompt leaves alone."""
+    exactly the bits each prompt leaves alone: short prompts (SHORT_PROMPT) packed with short
+    ones on the decode step's products, the others on the gemm."""
     import gpt2_cupy.model as M
 
     hf, _ = small
     model = GPT2.from_hf(hf, dtype)
     rng = np.random.default_rng(5)
-    rows = [rng.integers(0, 50257, int(n)) for n in (1, 37, 200, 5, 129, 64)]
-    slots = [4, 0, 2, 5, 1, 3]
+    rows = [rng.integers(0, 50257, int(n)) for n in (1, 37, 200, 5, 16, 3, 129, 64)]
+    slots = [4, 0, 2, 5, 7, 6, 1, 3]
     C, n = model.config.n_embd, len(rows)
 
     def run(groups_of):
@@ -432,24 +445,29 @@ def test_packed_prefill_equals_each_prompt_alone(small, dtype, monkeypatch):
         cache, last = run([(0, n)])
         assert cp.array_equal(last, alone_last), budget
         assert cp.array_equal(cache.k, alone_cache.k) and cp.array_equal(cache.v, alone_cache.v), budget
-    assert len(model.prefill_groups([r.size for r in rows])) == (n if dtype == "float32" else 3)
+    # 16-bit: [1] (short), [37], [200] (over 200 tokens together), [5, 16, 3] (short), [129, 64]
+    assert model.prefill_groups([r.size for r in rows]) == (
+        [(i, i + 1) for i in range(n)] if dtype == "float32" else [(0, 1), (1, 2), (2, 3), (3, 6), (6, 8)])
 
 
+@pytest.mark.parametrize("lengths", [(3, 12), (20, 17)], ids=["short", "long"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_recorded_prefill_replays_the_forward(small, dtype, monkeypatch):
+def test_recorded_prefill_replays_the_forward(small, dtype, lengths, monkeypatch):
     """A short prefill into a cache is recorded once per (prompt lengths, cache rows) and
     replayed with new token ids, launch by launch or, on a stream of its own, as a CUDA graph:
     the cache and the last residuals get exactly the bits of the forward run launch by launch;
-    the cache keeps its PLANS most recent records."""
+    the cache keeps its PLANS most recent records. Short prompts (SHORT_PROMPT, the decode
+    step's products) and longer ones (the gemm)."""
     import gpt2_cupy.model as M
 
     hf, _ = small
     model = GPT2.from_hf(hf, dtype)
     rng = np.random.default_rng(9)
     C = model.config.n_embd
+    assert model.prefill_groups(lengths) == [(0, 2)]  # one forward
 
     def prompts():
-        return [rng.integers(0, 50257, n) for n in (3, 17)]
+        return [rng.integers(0, 50257, n) for n in lengths]
 
     def run(cache, rows, slots):
         last = cp.full((2, C), np.nan, dtype=np.float32).astype(model.dtype)
@@ -478,7 +496,7 @@ def test_recorded_prefill_replays_the_forward(small, dtype, monkeypatch):
     monkeypatch.setattr(M, "PLANS", 2)
     run(cache, third, [0, 1])  # other rows: a record of its own
     run(cache, third[:1] + second[1:], [2, 1])
-    assert list(cache.plans) == [((3, 17), (0, 1)), ((3, 17), (2, 1))]  # the first record dropped
+    assert list(cache.plans) == [(lengths, (0, 1)), (lengths, (2, 1))]  # the first record dropped
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:  # on a stream of its own the record runs as a CUDA graph, captured the first time
         graphed = fresh()

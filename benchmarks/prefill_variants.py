@@ -1,0 +1,117 @@
+"""A-B of prefill variants: a warm prefill of short prompts, and a warm one-token call.
+
+    python -m benchmarks.prefill_variants gpt2:float16 gpt2-xl:float16 \
+        --variant base --variant "gemm:SHORT_PROMPT=0"
+
+Each case (size:dtype) makes one model (random weights, seed 0). For each prompt set (one
+prompt of 8 tokens, one of 16, four of 8 prefilled together) and each variant, the prefill
+runs as ``generate`` runs it: into a KV cache of its own, on a stream of its own (the recorded
+forward's CUDA graph, ``gpt2_cupy.model._forward``), warm, the best of 20 timed on the host
+around device synchronizations; then a warm ``generate(prompt, max_new_tokens=1)`` of the
+8-token prompt (in a fresh engine per variant). Rounds alternate the variants' order. A
+variant is ``name`` or ``name:CONST=value[;...]`` as in :mod:`benchmarks.step_variants`,
+in effect while it runs. Writes benchmarks/results/<--name>-<device>.json
+(prefill_variants by default).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import cupy as cp
+import numpy as np
+
+from benchmarks.common import banner, write_results
+from benchmarks.step_variants import _owner, parse_command_line, random_model
+
+ROUNDS = 3
+REPEATS = 20
+PROMPT_SETS = {"1x8": (8,), "1x16": (16,), "4x8": (8, 8, 8, 8)}
+
+
+def parse_case(text: str) -> tuple[str, str]:
+    from gpt2_cupy import SIZES
+
+    size, _, dtype = text.partition(":")
+    if size not in SIZES or dtype not in ("float16", "bfloat16", "float32"):
+        raise ValueError(f"case {text!r} is not size:dtype (sizes {sorted(SIZES)}; float16, bfloat16, float32)")
+    return size, dtype
+
+
+def _best(fn) -> float:
+    fn()
+    times = []
+    for _ in range(REPEATS):
+        cp.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        fn()
+        cp.cuda.runtime.deviceSynchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _measure(model, prompts: dict) -> dict:
+    """Seconds: each prompt set's prefill alone, and a one-token call of the 8-token prompt."""
+    from gpt2_cupy.model import KVCache
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    out = {}
+    for key, rows in prompts.items():
+        kv = KVCache(model.config, len(rows), max(r.size for r in rows) + 1, model.dtype)
+        last = cp.empty((len(rows), model.config.n_embd), dtype=model.dtype)
+
+        def prefill():
+            with stream:
+                model._prefill(rows, kv, list(range(len(rows))), last)
+
+        out[key] = _best(prefill)
+    model._engine = None  # (a fresh engine: the call's session is recorded under this variant)
+    first = prompts["1x8"][0].tolist()
+    out["one_token_call"] = _best(lambda: model.generate(first, 1))
+    return out
+
+
+def run_case(size: str, dtype: str, variants: list[tuple[str, dict]]) -> list[dict]:
+    model = random_model(size, dtype)
+    rng = np.random.default_rng(0)
+    prompts = {k: [rng.integers(0, 50257, n) for n in lengths] for k, lengths in PROMPT_SETS.items()}
+    names = [n for n, _ in variants]
+    times = {n: [] for n in names}
+    for r in range(ROUNDS):
+        for name, settings in variants if r % 2 == 0 else variants[::-1]:
+            owners = {k: _owner(k) for k in settings}
+            saved = {k: getattr(mod, attr) for k, (mod, attr) in owners.items()}
+            try:
+                for k, v in settings.items():
+                    setattr(*owners[k], v)
+                times[name].append(_measure(model, prompts))
+            finally:
+                for k, v in saved.items():
+                    setattr(*owners[k], v)
+    rows = []
+    for name, settings in variants:
+        row = {"bench": "prefill_variants", "model": size, "dtype": dtype, "variant": name,
+               "settings": {k: repr(v) for k, v in settings.items()}, "rounds": ROUNDS, "repeats": REPEATS}
+        for key in list(PROMPT_SETS) + ["one_token_call"]:
+            row[f"{key}_ms"] = round(statistics.median(t[key] for t in times[name]) * 1e3, 4)
+            row[f"{key}_rounds_ms"] = [round(t[key] * 1e3, 4) for t in times[name]]
+        rows.append(row)
+        print(f"{size} {dtype} {name:12s} " + "  ".join(f"{k} {row[f'{k}_ms']:8.3f} ms"
+                                                      for k in list(PROMPT_SETS) + ["one_token_call"]), flush=True)
+    return rows
+
+
+def main():
+    cases, variants, name = parse_command_line(__doc__, "prefill_variants", "size:dtype, e.g. gpt2:float16",
+                                               parse_case)
+    print(banner(), flush=True)
+    rows = []
+    for size, dtype in cases:
+        rows += run_case(size, dtype, variants)
+        write_results(name, rows, {})
+    print(f"wrote {write_results(name, rows, {})}")
+
+
+if __name__ == "__main__":
+    main()
