@@ -4,7 +4,7 @@
         --variant base --variant "gemm:SHORT_PROMPT=0"
 
 Each case (size:dtype) makes one model (random weights, seed 0). For each prompt set (one
-prompt of 8 tokens, one of 16, four of 8 prefilled together) and each variant, the prefill
+prompt of 8 tokens, one of 16, 4, 64 and 256 of 8 prefilled together) and each variant, the prefill
 runs as ``generate`` runs it: into a KV cache of its own, on a stream of its own (the recorded
 forward's CUDA graph, ``gpt2_cupy.model._forward``), warm, the best of 20 timed on the host
 around device synchronizations; then a warm ``generate(prompt, max_new_tokens=1)`` of the
@@ -27,7 +27,7 @@ from benchmarks.step_variants import _owner, parse_command_line, random_model
 
 ROUNDS = 3
 REPEATS = 20
-PROMPT_SETS = {"1x8": (8,), "1x16": (16,), "4x8": (8, 8, 8, 8)}
+PROMPT_SETS = {"1x8": (8,), "1x16": (16,), "4x8": (8,) * 4, "64x8": (8,) * 64, "256x8": (8,) * 256}
 
 
 def parse_case(text: str) -> tuple[str, str]:

@@ -36,17 +36,20 @@ from .config import SIZES, GPT2Config
 PREFILL_TOKENS = 8192
 # 16-bit prompts of at most SHORT_PROMPT tokens are prefilled with the decode step's products
 # (cupy_kernels.linear: a weight read once for up to 64 rows, requested before the kernel ahead
-# ends), packed with consecutive short prompts up to SHORT_PACK tokens; longer prompts with the
-# tiled gemm. Each gives a row the same bits alone or packed, and a prompt's length alone picks
-# which, so a prompt gets the same numbers whatever it is prefilled with. (The gemm at 8 rows:
+# ends), packed only with consecutive short prompts (up to PREFILL_TOKENS tokens, as the others:
+# packs of at most 64 tokens put 256 prompts of 8 tokens in 32 forwards, each recorded and
+# captured again in every call past the PLANS kept, and GPT-2 small's 512-token call at batch 256
+# took 1.356 against 1.032 s, benchmarks/results/e2e_short_packs-h100.json); longer prompts with
+# the tiled gemm. Each gives a row the same bits alone or packed, and a prompt's length alone
+# picks which, so a prompt gets the same numbers whatever it is prefilled with. (The gemm at 8 rows:
 # GPT-2 XL's q|k|v 6.6 TFLOP/s, 18.6 us against 5.2 for its bytes: benchmarks/results/
 # gemm_short-h100.json.) H100, float16, a warm prefill as generate runs it (its CUDA graph),
 # ms, short prompts on linear / all on the gemm (benchmarks/results/short_prefill-h100.json):
 # GPT-2 small one prompt of 8 tokens 0.391 / 0.578, of 16 0.424 / 0.585, four of 8 0.481 /
 # 0.599, a one-token call of 8 0.511 / 0.702; XL 2.408 / 3.325, 2.723 / 3.319, 3.167 / 3.516,
-# 2.475 / 3.593.
+# 2.475 / 3.593. Packs past PLAN_TOKENS run launch by launch and cost more on linear: GPT-2
+# small 64 prompts of 8 6.654 / 5.475, 256 of 8 7.557 / 6.549 (short_prefill_packs-h100.json).
 SHORT_PROMPT = 16
-SHORT_PACK = 64
 # prefills of up to PLAN_TOKENS tokens are recorded once per (prompt lengths, cache rows) and
 # replayed (_forward); a cache keeps the PLANS most recently used
 PLAN_TOKENS = 256
@@ -480,16 +483,15 @@ class GPT2:
 
     def prefill_groups(self, lengths) -> list[tuple[int, int]]:
         """How prompts of these lengths are prefilled: runs [lo, hi) of consecutive prompts,
-        each run one forward over its tokens packed together: short prompts (at most
-        SHORT_PROMPT tokens, 16-bit models) only with short ones, up to SHORT_PACK tokens,
-        the others up to PREFILL_TOKENS tokens (or one longer prompt). float32 prefills each
-        prompt alone."""
+        each run one forward over its tokens packed together, of at most PREFILL_TOKENS
+        tokens (or one longer prompt): short prompts (at most SHORT_PROMPT tokens, 16-bit
+        models) only with short ones. float32 prefills each prompt alone."""
         groups, lo, tokens = [], 0, 0
         for i, n in enumerate(lengths):
             if i > lo:
                 short = short_prompts(self.dtype, lengths[lo:i])
                 if (self.dtype == numpy.float32 or short != short_prompts(self.dtype, [n])
-                        or tokens + n > (SHORT_PACK if short else PREFILL_TOKENS)):
+                        or tokens + n > PREFILL_TOKENS):
                     groups.append((lo, i))
                     lo, tokens = i, 0
             tokens += n
