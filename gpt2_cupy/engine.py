@@ -7,14 +7,15 @@ of its own and a pinned ring for token read-back). Sessions are kept per model a
 reused by later calls whose batch and cache length round up to the same bucket, so a
 warm call records nothing and captures nothing. A session has two graphs: one step, and
 ``STEPS_PER_GRAPH`` steps in a row, whose kernels chain from one step into the next with
-programmatic dependent launch (the next step's embedding and first product start while the
-step before ends, as the kernels inside a step do) and without a graph launch between them;
+programmatic dependent launch (the next step's first product starts while the step before
+ends, as the kernels inside a step do; in greedy 16-bit steps the argmax before it wrote its
+embedding) and without a graph launch between them;
 :meth:`Engine.steps` runs the longer one wherever the call has that many steps left. Tokens
 come back asynchronously: the host queues up to ``max(LOOKAHEAD, 2 STEPS_PER_GRAPH)``
 steps (continuous batching: ``LOOKAHEAD``), each launch followed by an event, and reads a
-step's tokens only when the event after it has fired. The last kernel of each step
-(``publish_tokens``) writes the step's tokens straight into the next slot of a ring of
-pinned host memory: a device-to-host copy after each step cost 9-10 us of wall time a step
+step's tokens only when the event after it has fired. A kernel after each step
+(``publish_tokens``; in the longer graph on a branch beside the chain, PUBLISH_ASIDE) writes
+the step's tokens straight into the next slot of a ring of pinned host memory: a device-to-host copy after each step cost 9-10 us of wall time a step
 (H100, GPT-2 small float16, 512
 steps: 245.4 against 235.9 us at batch 1, 613.1 against 604.2 at batch 64; the copy as a
 node of the step's graph measured the same). The first tokens of a prefill are copied.
