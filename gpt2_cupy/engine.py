@@ -15,10 +15,10 @@ come back asynchronously: the host queues up to ``max(LOOKAHEAD, 2 STEPS_PER_GRA
 steps (continuous batching: ``LOOKAHEAD``), each launch followed by an event, and reads a
 step's tokens only when the event after it has fired. A kernel after each step
 (``publish_tokens``; in the longer graph on a branch beside the chain, PUBLISH_ASIDE) writes
-the step's tokens straight into the next slot of a ring of pinned host memory: a device-to-host copy after each step cost 9-10 us of wall time a step
-(H100, GPT-2 small float16, 512
-steps: 245.4 against 235.9 us at batch 1, 613.1 against 604.2 at batch 64; the copy as a
-node of the step's graph measured the same). The first tokens of a prefill are copied.
+the step's tokens straight into the next slot of a ring of pinned host memory: a
+device-to-host copy after each step cost 9-10 us of wall time a step (H100, GPT-2 small
+float16, 512 steps: 245.4 against 235.9 us at batch 1, 613.1 against 604.2 at batch 64; the
+copy as a node of the step's graph measured the same). The first tokens of a prefill are copied.
 A sequence that ends (end-of-text) may cost a few steps of wasted GPU work; the tokens
 returned are exact.
 
@@ -53,8 +53,8 @@ LOOKAHEAD = 4  # decode steps continuous batching queues ahead of the host's rea
 STEPS_PER_GRAPH = 4
 # In the graph of several steps, each step's publish_tokens runs on a branch of the graph beside
 # the chain (after its step's argmax), joining the chain before the next step's LM head (whose
-# argmax rewrites the tokens it reads) and at the graph's end, so that the next step's embedding
-# follows the argmax directly. H100, 4 steps a graph, branch / chain, us a step as above:
+# argmax rewrites the tokens it reads) and at the graph's end, so that the next step follows the
+# argmax directly. H100, 4 steps a graph, branch / chain, us a step as above:
 # GPT-2 small at batch 1 186.30 / 186.67 (calls 187.7 / 188.2), XL 1515.71 / 1517.02 (1520.2 /
 # 1521.4; benchmarks/results/publish_join-h100.json, with the join; racecheck on 3 layers of
 # GPT-2 small, 10 tokens at batch 1 and 3: no hazard, publish_join_racecheck-h100.log); without

@@ -488,8 +488,8 @@ class GPT2:
         models) only with short ones. float32 prefills each prompt alone."""
         groups, lo, tokens = [], 0, 0
         for i, n in enumerate(lengths):
-            if i > lo:
-                short = short_prompts(self.dtype, lengths[lo:i])
+            if i > lo:  # (a run's prompts are all short or all not: its first says which)
+                short = short_prompts(self.dtype, [lengths[lo]])
                 if (self.dtype == numpy.float32 or short != short_prompts(self.dtype, [n])
                         or tokens + n > PREFILL_TOKENS):
                     groups.append((lo, i))
