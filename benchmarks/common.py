@@ -8,6 +8,7 @@ import json
 import platform
 import re
 import statistics
+import time
 from pathlib import Path
 
 import cupy
@@ -65,6 +66,20 @@ class _L2Flush:
             self.buf.fill(0)
         else:
             cupy.sum(self.buf, out=self.out)
+
+
+def best_host_seconds(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` calls of ``fn`` after a warm-up call, in host seconds between
+    device synchronizations (what a caller waits for a call that returns after its GPU work)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        cupy.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        fn()
+        cupy.cuda.runtime.deviceSynchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def _spin(us: float) -> None:

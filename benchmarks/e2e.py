@@ -33,7 +33,7 @@ import numpy
 import torch
 import transformers
 
-from benchmarks.common import banner, copy_ceiling_GBps, decode_weight_bytes, write_results
+from benchmarks.common import banner, best_host_seconds, copy_ceiling_GBps, decode_weight_bytes, write_results
 from gpt2_cupy import GPT2, SIZES
 
 PROMPT = [15496, 11, 314, 1101, 257, 3303, 2746, 11]
@@ -158,25 +158,14 @@ def one_token(size, dtype, repeats: int = 20) -> dict:
     out = cupy.empty((1, model.config.n_embd), dtype=model.dtype)
     kv = KVCache(model.config, 1, len(PROMPT) + 1, model.dtype)
 
-    def best(fn):
-        fn()
-        times = []
-        for _ in range(repeats):
-            cupy.cuda.runtime.deviceSynchronize()
-            t0 = time.perf_counter()
-            fn()
-            cupy.cuda.runtime.deviceSynchronize()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
     stream = cupy.cuda.Stream(non_blocking=True)
 
     def prefill_alone():
         with stream:
             model._prefill(ids, kv, [0], out)
 
-    call = best(lambda: model.generate(PROMPT, 1))
-    prefill = best(prefill_alone)
+    call = best_host_seconds(lambda: model.generate(PROMPT, 1), repeats)
+    prefill = best_host_seconds(prefill_alone, repeats)
     return {"seconds": round(call, 6), "prefill_seconds": round(prefill, 6),
             "beyond_prefill_ms": round((call - prefill) * 1e3, 3)}
 

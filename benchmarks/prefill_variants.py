@@ -17,12 +17,11 @@ in effect while it runs. Writes benchmarks/results/<--name>-<device>.json
 from __future__ import annotations
 
 import statistics
-import time
 
 import cupy as cp
 import numpy as np
 
-from benchmarks.common import banner, write_results
+from benchmarks.common import banner, best_host_seconds, write_results
 from benchmarks.step_variants import _owner, parse_command_line, random_model
 
 ROUNDS = 3
@@ -39,18 +38,6 @@ def parse_case(text: str) -> tuple[str, str]:
     return size, dtype
 
 
-def _best(fn) -> float:
-    fn()
-    times = []
-    for _ in range(REPEATS):
-        cp.cuda.runtime.deviceSynchronize()
-        t0 = time.perf_counter()
-        fn()
-        cp.cuda.runtime.deviceSynchronize()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def _measure(model, prompts: dict) -> dict:
     """Seconds: each prompt set's prefill alone, and a one-token call of the 8-token prompt."""
     from gpt2_cupy.model import KVCache
@@ -65,10 +52,10 @@ def _measure(model, prompts: dict) -> dict:
             with stream:
                 model._prefill(rows, kv, list(range(len(rows))), last)
 
-        out[key] = _best(prefill)
+        out[key] = best_host_seconds(prefill, REPEATS)
     model._engine = None  # (a fresh engine: the call's session is recorded under this variant)
     first = prompts["1x8"][0].tolist()
-    out["one_token_call"] = _best(lambda: model.generate(first, 1))
+    out["one_token_call"] = best_host_seconds(lambda: model.generate(first, 1), REPEATS)
     return out
 
 

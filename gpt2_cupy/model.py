@@ -486,14 +486,12 @@ class GPT2:
         each run one forward over its tokens packed together, of at most PREFILL_TOKENS
         tokens (or one longer prompt): short prompts (at most SHORT_PROMPT tokens, 16-bit
         models) only with short ones. float32 prefills each prompt alone."""
+        short = [short_prompts(self.dtype, [n]) for n in lengths]
         groups, lo, tokens = [], 0, 0
         for i, n in enumerate(lengths):
-            if i > lo:  # (a run's prompts are all short or all not: its first says which)
-                short = short_prompts(self.dtype, [lengths[lo]])
-                if (self.dtype == numpy.float32 or short != short_prompts(self.dtype, [n])
-                        or tokens + n > PREFILL_TOKENS):
-                    groups.append((lo, i))
-                    lo, tokens = i, 0
+            if i > lo and (self.dtype == numpy.float32 or short[i] != short[lo] or tokens + n > PREFILL_TOKENS):
+                groups.append((lo, i))
+                lo, tokens = i, 0
             tokens += n
         if lo < len(lengths):
             groups.append((lo, len(lengths)))
