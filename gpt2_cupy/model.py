@@ -36,8 +36,8 @@ from .config import SIZES, GPT2Config
 PREFILL_TOKENS = 8192
 # 16-bit prompts of at most SHORT_PROMPT tokens are prefilled with the decode step's products
 # (cupy_kernels.linear: a weight read once for up to 64 rows, requested before the kernel ahead
-# ends), packed only with consecutive short prompts (up to PREFILL_TOKENS tokens, as the others:
-# packs of at most 64 tokens put 256 prompts of 8 tokens in 32 forwards, each recorded and
+# ends), packed only with consecutive short prompts (up to SHORT_PACK tokens, below; packs of
+# at most 64 tokens put 256 prompts of 8 tokens in 32 forwards, each recorded and
 # captured again in every call past the PLANS kept, and GPT-2 small's 512-token call at batch 256
 # took 1.356 against 1.032 s, benchmarks/results/e2e_short_packs-h100.json); longer prompts with
 # the tiled gemm. Each gives a row the same bits alone or packed, and a prompt's length alone
@@ -50,6 +50,24 @@ PREFILL_TOKENS = 8192
 # 2.475 / 3.593. Packs past PLAN_TOKENS run launch by launch and cost more on linear: GPT-2
 # small 64 prompts of 8 6.654 / 5.475, 256 of 8 7.557 / 6.549 (short_prefill_packs-h100.json).
 SHORT_PROMPT = 16
+# ... and, like the decode step, with each LayerNorm folded into the product after it (the
+# products that add to the residual stream, and the embedding, leave its row statistics), so
+# that a layer runs no LayerNorm launch: the same function, other bits than the unfolded
+# products give (a prompt's bits still depend on its length alone). H100, float16, a warm
+# prefill as generate runs it, ms, folded / unfolded, packs of up to 8,192 tokens in both
+# (benchmarks/results/fold_prefill_pack-h100.json, "bigpack" / "before"): GPT-2 small one
+# prompt of 8 tokens 0.243 / 0.358, of 16 0.299 / 0.393, four of 8 0.329 / 0.444, a one-token
+# call 0.355 / 0.448; XL 1.888 / 2.190, 2.199 / 2.555, 2.757 / 3.015, 2.010 / 2.337; 256 prompts
+# of 8, one eager forward: small 7.100 / 7.092, XL 85.886 / 77.315.
+PREFILL_FOLD = True
+# Tokens a pack of short prompts takes at most: a recorded forward's (PLAN_TOKENS), so that each
+# pack replays its record (its CUDA graph on the engine's stream) instead of running launch by
+# launch, bound by the host. H100, float16, folded, ms, packs of 256 / 8,192 tokens (same file):
+# GPT-2 small 64 prompts of 8 2.034 / 6.065, 256 of 8 7.993 / 7.100; XL 24.445 / 24.054, 97.413
+# / 85.886. Packs of 512 / 1,024 with PLAN_TOKENS as large (fold_prefill_packs-h100.json, against
+# 256): small 256 of 8 6.590 / 6.195 against 8.085, XL 90.120 / 86.594 against 98.601, but every
+# prompt up to that length would then be recorded, at twice / four times the buffers a record.
+SHORT_PACK = 256
 # prefills of up to PLAN_TOKENS tokens are recorded once per (prompt lengths, cache rows) and
 # replayed (_forward); a cache keeps the PLANS most recently used
 PLAN_TOKENS = 256
@@ -485,11 +503,13 @@ class GPT2:
         """How prompts of these lengths are prefilled: runs [lo, hi) of consecutive prompts,
         each run one forward over its tokens packed together, of at most PREFILL_TOKENS
         tokens (or one longer prompt): short prompts (at most SHORT_PROMPT tokens, 16-bit
-        models) only with short ones. float32 prefills each prompt alone."""
+        models) only with short ones, at most SHORT_PACK tokens together. float32 prefills
+        each prompt alone."""
         short = [short_prompts(self.dtype, [n]) for n in lengths]
         groups, lo, tokens = [], 0, 0
         for i, n in enumerate(lengths):
-            if i > lo and (self.dtype == numpy.float32 or short[i] != short[lo] or tokens + n > PREFILL_TOKENS):
+            budget = SHORT_PACK if short[lo] else PREFILL_TOKENS
+            if i > lo and (self.dtype == numpy.float32 or short[i] != short[lo] or tokens + n > budget):
                 groups.append((lo, i))
                 lo, tokens = i, 0
             tokens += n
@@ -560,6 +580,11 @@ class GPT2:
         else:
             x, y, last = self._blocks(cupy.asarray(ids), lengths, cu_seqlens, cache, slots)
         blk = self.blocks[-1]
+        if y is None:  # the folded products: x is the residual stream after the last block
+            if out_last is not None:
+                cupy.take(x, last, axis=0, out=out_last)
+                return None
+            return K.layernorm(x, self.ln_f_w, self.ln_f_b, eps=eps)
         if out_last is not None:  # only the last tokens' residuals are needed
             K.layernorm_residual(x[last], y[last], self.ln_f_w, self.ln_f_b, proj_bias=blk.mlp_proj_b, eps=eps,
                                  sum_out=out_last)
@@ -570,7 +595,9 @@ class GPT2:
     def _blocks(self, ids: cupy.ndarray, lengths, cu_seqlens, cache: KVCache | None, slots):
         """Embedding and every block over packed tokens ``ids`` (int32 [T] on the device),
         up to the last block's MLP output: (x the residual stream before it, y that output,
-        each prompt's last row in them). One set of buffers serves every layer."""
+        each prompt's last row in them); with the folded products of short prompts
+        (PREFILL_FOLD), y is None and x is the residual stream after the last block. One set
+        of buffers serves every layer."""
         cfg = self.config
         C, H, D, eps = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
         T = ids.shape[0]
@@ -579,23 +606,33 @@ class GPT2:
             token_slots = cupy.asarray(numpy.repeat(numpy.asarray(slots, dtype=numpy.int32), lengths))
         last = cupy.asarray(cu_seqlens[1:] - 1)  # each prompt's last token
         short = short_prompts(self.dtype, lengths)
-        x = K.embedding(ids, self.wte, self.wpe, positions)  # [T, C] residual stream
-        h = K.layernorm(x, self.blocks[0].ln_1_w, self.blocks[0].ln_1_b, eps=eps)  # [T, C] normalized
+        fold = short and self.folded and PREFILL_FOLD
+        stats = cupy.empty((T, -(-C // 16), 2), dtype=numpy.float32) if fold else None  # linear's stats_out
+        x = K.embedding(ids, self.wte, self.wpe, positions, stats_out=stats)  # [T, C] residual stream
+        h = None if fold else K.layernorm(x, self.blocks[0].ln_1_w, self.blocks[0].ln_1_b, eps=eps)  # normalized
         qkv = cupy.empty((T, 3 * C), dtype=self.dtype)
         a = cupy.empty((1, T, H, D), dtype=self.dtype)
-        y = cupy.empty((T, C), dtype=self.dtype)
+        y = None if fold else cupy.empty((T, C), dtype=self.dtype)
         f = cupy.empty((T, 4 * C), dtype=self.dtype)
         for i, blk in enumerate(self.blocks):
-            if i > 0:  # the previous block's residual add, and this block's LayerNorm
-                prev = self.blocks[i - 1]
-                K.layernorm_residual(x, y, blk.ln_1_w, blk.ln_1_b, proj_bias=prev.mlp_proj_b, eps=eps, out=h,
-                                     sum_out=x)
-            self._matmul(h, blk.attn_w, blk.attn_b, out=qkv, short=short)  # [T, 3C]
+            if fold:  # each LayerNorm in the epilogue of the product after it, from x's row statistics
+                K.linear(x, blk.attn_w, ln_fold=(stats, blk.attn_u, blk.attn_c, eps), out=qkv)
+            else:
+                if i > 0:  # the previous block's residual add, and this block's LayerNorm
+                    prev = self.blocks[i - 1]
+                    K.layernorm_residual(x, y, blk.ln_1_w, blk.ln_1_b, proj_bias=prev.mlp_proj_b, eps=eps, out=h,
+                                         sum_out=x)
+                self._matmul(h, blk.attn_w, blk.attn_b, out=qkv, short=short)  # [T, 3C]
             q, k, v = (qkv.reshape(1, T, 3, H, D)[:, :, j] for j in range(3))  # [1, T, H, D] views
             if cache is not None:  # every token a sequence of one: [T, 1, H, D] views
                 kv = qkv.reshape(T, 1, 3, H, D)
                 K.kv_append(k=kv[:, :, 1], v=kv[:, :, 2], start=positions, slots=token_slots, **cache.layer(i))
             K.flash_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, out=a)
+            if fold:  # the residual adds in the epilogues, which leave the statistics of x
+                K.linear(a.reshape(T, C), blk.attn_proj_w, blk.attn_proj_b, residual=x, out=x, stats_out=stats)
+                K.linear(x, blk.fc_w, gelu=True, out=f, ln_fold=(stats, blk.fc_u, blk.fc_c, eps))
+                K.linear(f, blk.mlp_proj_w, blk.mlp_proj_b, residual=x, out=x, stats_out=stats)
+                continue
             self._matmul(a.reshape(T, C), blk.attn_proj_w, out=y, short=short)
             K.layernorm_residual(x, y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b, eps=eps, out=h, sum_out=x)
             self._matmul(h, blk.fc_w, blk.fc_b, gelu=True, out=f, short=short)  # [T, 4C]

@@ -141,7 +141,7 @@ def test_max_new_tokens_per_prompt():
 def test_prefill_groups_pack_prompts_up_to_the_token_budget():
     from types import SimpleNamespace
 
-    from gpt2_cupy.model import GPT2, PREFILL_TOKENS, SHORT_PROMPT
+    from gpt2_cupy.model import GPT2, PREFILL_TOKENS, SHORT_PACK, SHORT_PROMPT
 
     half = SimpleNamespace(dtype=np.dtype(np.float16))
     lengths = [1000, 5000, 2500, 700, 8192, 1, 1]
@@ -149,10 +149,11 @@ def test_prefill_groups_pack_prompts_up_to_the_token_budget():
     assert groups == [(0, 2), (2, 4), (4, 5), (5, 7)]
     assert all(sum(lengths[lo:hi]) <= PREFILL_TOKENS for lo, hi in groups)
     assert GPT2.prefill_groups(half, [3]) == [(0, 1)]
-    # short prompts (at most SHORT_PROMPT tokens) pack only with short ones, up to the same budget
-    assert SHORT_PROMPT == 16
+    # short prompts (at most SHORT_PROMPT tokens) pack only with short ones, up to SHORT_PACK tokens
+    assert SHORT_PROMPT == 16 and SHORT_PACK == 256
     assert GPT2.prefill_groups(half, [3, 40, 5, 6, 16, 17, 2]) == [(0, 1), (1, 2), (2, 5), (5, 6), (6, 7)]
-    assert GPT2.prefill_groups(half, [16] * 600) == [(0, 512), (512, 600)]
+    assert GPT2.prefill_groups(half, [16] * 600) == [(i, min(i + 16, 600)) for i in range(0, 600, 16)]
+    assert GPT2.prefill_groups(half, [15, 1] * 16 + [2]) == [(0, 32), (32, 33)]
     assert GPT2.prefill_groups(half, [40, 50, 1, 1]) == [(0, 2), (2, 4)]
     single = SimpleNamespace(dtype=np.dtype(np.float32))  # float32: every prompt alone
     assert GPT2.prefill_groups(single, [3, 4, 5]) == [(0, 1), (1, 2), (2, 3)]
