@@ -60,6 +60,10 @@ SHORT_PROMPT = 16
 # call 0.355 / 0.448; XL 1.888 / 2.190, 2.199 / 2.555, 2.757 / 3.015, 2.010 / 2.337; 256 prompts
 # of 8, one eager forward: small 7.100 / 7.092, XL 85.886 / 77.315.
 PREFILL_FOLD = True
+# prefills of up to PLAN_TOKENS tokens are recorded once per (prompt lengths, cache rows) and
+# replayed (_forward); a cache keeps the PLANS most recently used
+PLAN_TOKENS = 256
+PLANS = 8
 # Tokens a pack of short prompts takes at most: a recorded forward's (PLAN_TOKENS), so that each
 # pack replays its record (its CUDA graph on the engine's stream) instead of running launch by
 # launch, bound by the host. H100, float16, folded, ms, packs of 256 / 8,192 tokens (same file):
@@ -67,11 +71,7 @@ PREFILL_FOLD = True
 # / 85.886. Packs of 512 / 1,024 with PLAN_TOKENS as large (fold_prefill_packs-h100.json, against
 # 256): small 256 of 8 6.590 / 6.195 against 8.085, XL 90.120 / 86.594 against 98.601, but every
 # prompt up to that length would then be recorded, at twice / four times the buffers a record.
-SHORT_PACK = 256
-# prefills of up to PLAN_TOKENS tokens are recorded once per (prompt lengths, cache rows) and
-# replayed (_forward); a cache keeps the PLANS most recently used
-PLAN_TOKENS = 256
-PLANS = 8
+SHORT_PACK = PLAN_TOKENS
 # ... and, on a stream of the caller's own (the engine's sessions), captured as a CUDA graph the
 # first time, with programmatic dependent launch where available: the host then pays one launch
 # instead of one per kernel (GPT-2 XL: about 390).
@@ -632,11 +632,12 @@ class GPT2:
                 K.linear(a.reshape(T, C), blk.attn_proj_w, blk.attn_proj_b, residual=x, out=x, stats_out=stats)
                 K.linear(x, blk.fc_w, gelu=True, out=f, ln_fold=(stats, blk.fc_u, blk.fc_c, eps))
                 K.linear(f, blk.mlp_proj_w, blk.mlp_proj_b, residual=x, out=x, stats_out=stats)
-                continue
-            self._matmul(a.reshape(T, C), blk.attn_proj_w, out=y, short=short)
-            K.layernorm_residual(x, y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b, eps=eps, out=h, sum_out=x)
-            self._matmul(h, blk.fc_w, blk.fc_b, gelu=True, out=f, short=short)  # [T, 4C]
-            self._matmul(f, blk.mlp_proj_w, out=y, short=short)  # [T, C]
+            else:
+                self._matmul(a.reshape(T, C), blk.attn_proj_w, out=y, short=short)
+                K.layernorm_residual(x, y, blk.ln_2_w, blk.ln_2_b, proj_bias=blk.attn_proj_b, eps=eps, out=h,
+                                     sum_out=x)
+                self._matmul(h, blk.fc_w, blk.fc_b, gelu=True, out=f, short=short)  # [T, 4C]
+                self._matmul(f, blk.mlp_proj_w, out=y, short=short)  # [T, C]
         return x, y, last
 
     def logits(self, input_ids) -> cupy.ndarray:
