@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import cupy
+import numpy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -89,6 +90,42 @@ def _spin(us: float) -> None:
 
     clock_khz = cupy.cuda.Device().attributes["ClockRate"]
     torch.cuda._sleep(int(us * clock_khz / 1e3))
+
+
+_WAIT = r"""extern "C" __global__ void wait_ns(long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < (unsigned long long)ns);
+}"""
+
+
+def gpu_seconds_behind_wait(fn, stream, repeats: int, wait_s: float) -> float:
+    """The fastest of ``repeats`` GPU times of ``fn()`` (CUDA events on ``stream``) with its
+    launches queued behind a kernel that waits on that stream: the GPU's time alone, not the
+    host's launch cost. The wait starts at ``wait_s`` seconds and doubles (up to four times)
+    whenever the host took longer than it to queue the launches (the time would then be the
+    host's; with the GPU held back, the host's own calls can take longer than otherwise)."""
+    wait = cupy.RawKernel(_WAIT, "wait_ns")
+    best = float("inf")
+    for _ in range(repeats):
+        for _ in range(5):
+            cupy.cuda.runtime.deviceSynchronize()
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            with stream:
+                wait((1,), (1,), (numpy.int64(wait_s * 1e9),))
+                t0 = time.perf_counter()
+                start.record(stream)
+                fn()
+                stop.record(stream)
+                queued = time.perf_counter() - t0
+            stop.synchronize()
+            if queued < wait_s:
+                break
+            wait_s *= 2
+        else:
+            raise ValueError(f"the host took {queued:.4f} s to queue the launches, longer than the {wait_s / 2} s wait")
+        best = min(best, cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    return best
 
 
 def time_gpu(fn, *, warmup: int = 3, reps: int = 20, cold_l2: bool = True, dirty: bool = False,

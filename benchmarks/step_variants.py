@@ -188,10 +188,13 @@ def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]
     return rows
 
 
-def parse_command_line(doc: str, name: str, case_help: str, case_of) -> tuple[list, list, str]:
+def parse_command_line(doc: str, name: str, case_help: str, case_of, options=None) -> tuple[list, list, str]:
     """(cases, variants, results name) of a variants benchmark's command line: cases parsed by
-    ``case_of``, then ``--variant`` (repeated; the first is the reference) and ``--name``."""
+    ``case_of``, then ``--variant`` (repeated; the first is the reference) and ``--name``.
+    ``options``: a function that adds the benchmark's own arguments to the parser and
+    checks them (its return is parsed arguments -> None, or a message for the parser's error)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    check = options(p) if options is not None else None
     p.add_argument("cases", nargs="+", help=case_help)
     p.add_argument("--variant", action="append", required=True,
                    help="name[:CONST=value;...] (constants of gpt2_cupy.model, or module.CONST); repeat; the first "
@@ -205,6 +208,8 @@ def parse_command_line(doc: str, name: str, case_help: str, case_of) -> tuple[li
         p.error(str(err))
     if len({n for n, _ in variants}) != len(variants):
         p.error("variant names must differ")
+    if check is not None and (message := check(args)):
+        p.error(message)
     return cases, variants, args.name
 
 

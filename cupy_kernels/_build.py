@@ -53,6 +53,7 @@ if BFLOAT16 is not None:
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 
 _declared: dict[str, list[str]] = {}
+_declared_keys: set[tuple[str, str]] = set()  # (source, name) of every declared specialization
 _pdl: set[tuple[str, str]] = set()  # specializations that call griddep_wait() first (common.cuh)
 _cooperative: set[tuple[str, str]] = set()  # specializations whose blocks must all be resident at once
 
@@ -70,6 +71,7 @@ def declare(source: str, name_expressions, pdl: bool = False, cooperative: bool 
     for name in name_expressions:
         if name not in names:
             names.append(name)
+            _declared_keys.add((source, name))
         if pdl:
             _pdl.add((source, name))
         if cooperative:
@@ -139,16 +141,23 @@ def _module(source: str, names: tuple[str, ...], opts: tuple[str, ...]):
     return cupy.RawModule(code=source_text(source), options=opts, name_expressions=names)
 
 
+_kernels: dict[tuple[int, str, str], object] = {}  # (device, source, name) -> its RawKernel, once loaded
+
+
 def kernel(source: str, name_expression: str):
-    """The ``cupy.RawKernel`` for one declared specialization (a recorder while recording)."""
-    names = _declared.get(source, ())
-    if name_expression not in names:
-        listing = "\n  ".join(names) or "(none)"
-        raise KeyError(
-            f"{name_expression} is not a declared specialization of {source}; declared:\n  {listing}"
-        )
-    kern = _module(source, (name_expression,), options()).get_function(name_expression)
+    """The ``cupy.RawKernel`` for one declared specialization (a recorder while recording).
+    Each is looked up once per device (a launch's host time matters: a prefill runs
+    hundreds of them)."""
+    import cupy
+
     key = (source, name_expression)
+    if key not in _declared_keys:
+        listing = "\n  ".join(_declared.get(source, ())) or "(none)"
+        raise KeyError(f"{name_expression} is not a declared specialization of {source}; declared:\n  {listing}")
+    kern = _kernels.get((cupy.cuda.runtime.getDevice(), *key))
+    if kern is None:
+        kern = _module(source, (name_expression,), options()).get_function(name_expression)
+        _kernels[(cupy.cuda.runtime.getDevice(), *key)] = kern
     if key in _cooperative:
         return _Cooperative(kern) if _plan is None else _Recorder(kern, _plan, False, True)
     return kern if _plan is None else _Recorder(kern, _plan, key in _pdl)
@@ -419,12 +428,22 @@ def row_smem(cols: int, name: str) -> int:
     return nbytes
 
 
+_smem_allowed: dict[tuple[int, int], tuple] = {}  # (device, id) -> (kernel, dynamic shared memory allowed so far)
+
+
 def set_smem(kern, nbytes: int) -> None:
     """Allow ``kern`` to use ``nbytes`` of dynamic shared memory (above 48 KiB with its static
-    shared memory needs opt-in)."""
+    shared memory needs opt-in). The driver is asked once per kernel and size reached."""
+    import cupy
+
     kern = getattr(kern, "raw", kern)
+    key = (cupy.cuda.runtime.getDevice(), id(kern))
+    known = _smem_allowed.get(key)
+    if known is not None and known[0] is kern and known[1] >= nbytes:
+        return
     if nbytes + kern.shared_size_bytes > 48 * 1024 and kern.max_dynamic_shared_size_bytes < nbytes:
         kern.max_dynamic_shared_size_bytes = nbytes
+    _smem_allowed[key] = (kern, nbytes)  # (the reference keeps the id from being reused)
 
 
 def vec_widths(c_type: str) -> tuple[int, int]:

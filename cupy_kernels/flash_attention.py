@@ -142,8 +142,26 @@ def _varlen(cu_seqlens, q, k) -> tuple[cupy.ndarray, int, int]:
     return cupy.asarray(host, dtype=numpy.int32), host.size - 1, int(numpy.diff(host).max())
 
 
+def _varlen_trusted(cu_seqlens, max_seqlen, q, k) -> tuple[cupy.ndarray, int, int]:
+    """(cu_seqlens, sequences, longest) of ``cu_seqlens`` on the GPU with ``max_seqlen``:
+    types and sizes checked, the offsets not (no copy back to the host)."""
+    if not isinstance(cu_seqlens, cupy.ndarray) or cu_seqlens.dtype != numpy.int32 or cu_seqlens.ndim != 1:
+        raise TypeError("with max_seqlen, cu_seqlens must be a 1-D int32 array on the GPU")
+    if cu_seqlens.size < 2 or not cu_seqlens.flags.c_contiguous:
+        raise ValueError("cu_seqlens must be a contiguous array of n + 1 >= 2 offsets")
+    if cu_seqlens.size - 1 > 65535:
+        raise ValueError(f"at most 65535 sequences per call, got {cu_seqlens.size - 1}")
+    T = q.shape[1]
+    if q.shape[0] != 1 or k.shape[1] != T:
+        raise ValueError(f"with cu_seqlens, q, k and v are [1, T, H, D] of one T (packed sequences), got q "
+                         f"{q.shape} and k {k.shape}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, numpy.integer)) or not 0 <= max_seqlen <= T:
+        raise ValueError(f"max_seqlen must be an int from 0 to T = {T}, got {max_seqlen!r}")
+    return cu_seqlens, cu_seqlens.size - 1, int(max_seqlen)
+
+
 def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None, out=None,
-                    cu_seqlens=None) -> cupy.ndarray:
+                    cu_seqlens=None, max_seqlen=None) -> cupy.ndarray:
     """Attention on tensor cores: ``softmax(q k^T * scale) v`` per batch and head.
 
     q: [B, Tq, H, D]; k, v: [B, Tk, H, D]; D in {64, 128}. float16 or bfloat16: products on
@@ -163,7 +181,11 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     n + 1 offsets from 0 to T; q, k and v are [1, T, H, D] holding n sequences one after
     another along T, sequence i in rows cu_seqlens[i] .. cu_seqlens[i + 1], and each attends
     only to its own keys (Tq = Tk per sequence). Checked on the host (a GPU array is copied
-    back). (The non-causal varlen kernel at D = 64 spilled registers: not built.)
+    back), unless ``max_seqlen`` is given: then ``cu_seqlens`` is an int32 GPU array taken as
+    it is (FlashAttention's contract: offsets that rise from 0, the last at most T, no
+    sequence longer than ``max_seqlen``; rows past the last offset are not written), with no
+    copy to or from the host. (The non-causal varlen kernel at D = 64 spilled registers: not
+    built.)
 
     Returns a contiguous [B, Tq, H, D] array (view it as [B, Tq, H*D]).
     """
@@ -184,10 +206,15 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
         raise ValueError(f"scale must be positive and finite, got {scale}")
     strides = [_strides(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v"))]
     grid_t, grid_b, cu = Tq, B, None
+    if max_seqlen is not None and cu_seqlens is None:
+        raise ValueError("max_seqlen goes with cu_seqlens (packed sequences)")
     if cu_seqlens is not None:
         if not causal:
             raise ValueError("cu_seqlens (packed sequences) is supported with causal=True only")
-        cu, grid_b, grid_t = _varlen(cu_seqlens, q, k)
+        if max_seqlen is None:
+            cu, grid_b, grid_t = _varlen(cu_seqlens, q, k)
+        else:
+            cu, grid_b, grid_t = _varlen_trusted(cu_seqlens, max_seqlen, q, k)
     varlen = cu is not None
     out = _checks.output(out, "out", q.shape, q.dtype)
     if out.data.ptr % (2 * q.itemsize):

@@ -97,9 +97,10 @@ def _row_strides(a, name: str) -> tuple[int, int]:
 def kv_append(k_cache, v_cache, k, v, start, *, slots=None, seq_lens=None, k_scale=None, v_scale=None) -> None:
     """Write k, v [B, T, H, D] into the caches [B_cache, H, S_max, D] at rows start[b]..start[b]+T-1.
 
-    start: int32 [B]; slots: optional int32 [B] cache rows (default: b); seq_lens: optional
-    int32 [B], set to start + T. Positions are not checked on the GPU: callers keep
-    start[b] + T <= S_max (the model checks lengths on the host).
+    start: int32 [B]; slots: optional int32 [B] cache rows (default: b), where a negative
+    slot writes nothing (a padding row); seq_lens: optional int32 [B], set to start + T.
+    Positions are not checked on the GPU: callers keep start[b] + T <= S_max (the model checks
+    lengths on the host).
     Caches in k's dtype take the rows as they are. int8 caches, and fp8 e4m3 caches stored
     as uint8, take each row of D elements quantized with its own scale max|x| / 127 (int8)
     or max|x| / 448 (fp8), written to k_scale / v_scale (float32 [B_cache, H, S_max]);

@@ -453,7 +453,7 @@ class Engine:
         allocated in the GPU memory free now. An idle session of the same bucket is reused: nothing to check."""
         from cupy_kernels import kv_storage_dtype
 
-        from .model import PLAN_TOKENS, PLANS
+        from .model import RECORD_TOKENS
 
         cfg, dtype = self.model.config, self.model.dtype
         key = self._key(batch, n_max, kv_dtype, sampling, cuda_graph)
@@ -466,7 +466,7 @@ class Engine:
         # the step's and the heads' buffers (9 C values a row, and C / 2 bytes of row statistics)
         need += 3 * B * (cfg.vocab_size * 4 + 10 * cfg.n_embd * dtype.itemsize)
         need += prefill_tokens * 16 * cfg.n_embd * 4  # a prefill's activations (q|k|v, MLP, attention; float32 bound)
-        need += PLANS * PLAN_TOKENS * 12 * cfg.n_embd * dtype.itemsize  # recorded prefills' buffers (11 C a token)
+        need += RECORD_TOKENS * 12 * cfg.n_embd * dtype.itemsize  # recorded prefills' buffers (11 C a token)
         free = free_bytes()
         if need > free:  # idle sessions give their memory back first
             while self._evict_one():

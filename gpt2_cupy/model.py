@@ -47,7 +47,7 @@ PREFILL_TOKENS = 8192
 # ms, short prompts on linear / all on the gemm (benchmarks/results/short_prefill-h100.json):
 # GPT-2 small one prompt of 8 tokens 0.391 / 0.578, of 16 0.424 / 0.585, four of 8 0.481 /
 # 0.599, a one-token call of 8 0.511 / 0.702; XL 2.408 / 3.325, 2.723 / 3.319, 3.167 / 3.516,
-# 2.475 / 3.593. Packs past PLAN_TOKENS run launch by launch and cost more on linear: GPT-2
+# 2.475 / 3.593. Packs past 256 tokens then ran launch by launch and cost more on linear: GPT-2
 # small 64 prompts of 8 6.654 / 5.475, 256 of 8 7.557 / 6.549 (short_prefill_packs-h100.json).
 SHORT_PROMPT = 16
 # ... and, like the decode step, with each LayerNorm folded into the product after it (the
@@ -60,22 +60,41 @@ SHORT_PROMPT = 16
 # call 0.355 / 0.448; XL 1.888 / 2.190, 2.199 / 2.555, 2.757 / 3.015, 2.010 / 2.337; 256 prompts
 # of 8, one eager forward: small 7.100 / 7.092, XL 85.886 / 77.315.
 PREFILL_FOLD = True
-# prefills of up to PLAN_TOKENS tokens are recorded once per (prompt lengths, cache rows) and
-# replayed (_forward); a cache keeps the PLANS most recently used
-PLAN_TOKENS = 256
+# Prefills into a cache (16-bit models; generate's) are recorded once per bucket of their shape
+# and replayed (_forward): the packed tokens and the longest prompt rounded up to one of eight
+# sizes an octave (record_size, at least 8 tokens), the prompt count the same way; the rows past
+# the prompts are padding, which no sequence attends to and whose keys and values are not
+# written, and each call copies in its token ids, positions, cache rows and offsets. (Every
+# product, LayerNorm and attention gives a row the same bits whatever rows it runs with: a
+# prompt gets the numbers it gets launch by launch.) A record holds at most RECORD_TOKENS
+# tokens; a cache keeps at most PLANS records and RECORD_TOKENS tokens of them, the least
+# recently used dropped first. Launch by launch, a forward costs the host tens of microseconds
+# a kernel in the wrappers' checks. H100, float16, a warm prefill as generate runs it, ms, the
+# records / the code before them (launch by launch past 256 tokens; one run,
+# benchmarks/results/prefill_records_final*-h100.json): GPT-2 small one prompt of 512 tokens
+# 0.999 / 4.884 (GPU time alone 0.876 / 1.056), four of 300 1.567 / 4.684, XL 8.041 / 17.484
+# (7.969 / 8.855) and 15.972 / 18.142.
+RECORD_TOKENS = 2048
 PLANS = 8
-# Tokens a pack of short prompts takes at most: a recorded forward's (PLAN_TOKENS), so that each
-# pack replays its record (its CUDA graph on the engine's stream) instead of running launch by
-# launch, bound by the host. H100, float16, folded, ms, packs of 256 / 8,192 tokens (same file):
-# GPT-2 small 64 prompts of 8 2.034 / 6.065, 256 of 8 7.993 / 7.100; XL 24.445 / 24.054, 97.413
-# / 85.886. Packs of 512 / 1,024 with PLAN_TOKENS as large (fold_prefill_packs-h100.json, against
-# 256): small 256 of 8 6.590 / 6.195 against 8.085, XL 90.120 / 86.594 against 98.601, but every
-# prompt up to that length would then be recorded, at twice / four times the buffers a record.
-SHORT_PACK = PLAN_TOKENS
-# ... and, on a stream of the caller's own (the engine's sessions), captured as a CUDA graph the
-# first time, with programmatic dependent launch where available: the host then pays one launch
-# instead of one per kernel (GPT-2 XL: about 390).
+# ... and, on a stream of the caller's own (the engine's sessions), a record runs as a CUDA graph
+# from its second use on (captured then; the first runs launch by launch, so that a shape seen
+# once costs what the forward costs without a record), with programmatic dependent launch where
+# available: the host then pays one launch instead of one per kernel (GPT-2 XL: about 390).
 PREFILL_GRAPH = True
+# Tokens a pack of short prompts takes at most: one record's, so that each pack replays it
+# instead of running launch by launch. H100, float16, folded, ms, packs of 256 / 8,192 tokens
+# (fold_prefill_pack-h100.json): GPT-2 small 64 prompts of 8 2.034 / 6.065, 256 of 8 7.993 /
+# 7.100; XL 24.445 / 24.054, 97.413 / 85.886. Packs of 512 / 1,024 (fold_prefill_packs-h100.json,
+# against 256): small 256 of 8 6.590 / 6.195 against 8.085, XL 90.120 / 86.594 against 98.601.
+SHORT_PACK = 256
+# A run of consecutive short prompts of more than SHORT_RECORDS such packs' tokens is prefilled
+# in packs of up to PREFILL_TOKENS instead, launch by launch: many packs of other shapes would
+# each be recorded (as a launch-by-launch forward) and some dropped again before their next
+# use. H100, float16, ms, with / without the rule (benchmarks/results/short_records-h100.json,
+# the records then kept per prompt lengths and cache rows, 8 a cache): GPT-2 small 512 prompts
+# of 8 13.5 / 148.8, 256 of 8 7.16 / 8.17, XL 172.0 / 613.1 and 87.7 / 98.7; 128 of 8 in
+# recorded packs / one launch-by-launch forward small 4.12 / 6.19, XL 49.7 / 45.0.
+SHORT_RECORDS = PLANS // 2
 
 # Most keys a chunk of each sequence's cache takes in the decode step's attention, whatever the
 # batch: a sequence of len keys takes ceil(len / DECODE_SPLIT_KEYS) equal chunks, a block a head
@@ -302,9 +321,69 @@ if _build.BFLOAT16 is not None:
 _ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 
 
-def short_prompts(dtype, lengths) -> bool:
-    """Whether prompts of these lengths take the short prompts' products (SHORT_PROMPT)."""
-    return numpy.dtype(dtype) != numpy.float32 and max(lengths) <= SHORT_PROMPT
+def short_prompt(dtype, longest: int) -> bool:
+    """Whether prompts of at most ``longest`` tokens take the short prompts' products
+    (SHORT_PROMPT)."""
+    return dtype != numpy.float32 and longest <= SHORT_PROMPT
+
+
+def record_size(n: int, least: int = 1) -> int:
+    """n rounded up to a multiple of max(least, 2^(bit_length(n - 1) - 4)): one of eight sizes
+    an octave, at most an eighth over n past 8 least (a recorded prefill's bucket)."""
+    step = max(least, 1 << max(0, (n - 1).bit_length() - 4))
+    return -(-n // step) * step
+
+
+def _prefill_meta(rows, sizes, slots, T: int, n: int) -> numpy.ndarray:
+    """What a prefill of prompts ``rows`` (of ``sizes`` tokens) copies to the GPU, int32: the
+    token ids, their positions and cache rows (``slots`` per prompt, None without a cache) for
+    T rows, the n + 1 offsets of the prompts, and the row of each prompt's last token (T >=
+    their tokens, n >= their count: the rows past them are padding, token 0 at position 0 in
+    cache row -1, and the offsets past them repeat the last). Each part starts on a 32-byte
+    boundary (_meta_views)."""
+    stride = -(-T // 8) * 8
+    count, tokens = len(sizes), sum(sizes)
+    meta = numpy.zeros(3 * stride + 2 * n + 1, dtype=numpy.int32)
+    offsets, last = meta[3 * stride:3 * stride + n + 1], meta[3 * stride + n + 1:]
+    if count == 1:  # (one prompt: fewer numpy calls, the host's time of a one-token call)
+        meta[:tokens] = rows[0]
+        meta[stride:stride + tokens] = numpy.arange(tokens, dtype=numpy.int32)
+        offsets[1:] = tokens
+        last[0] = tokens - 1
+    else:
+        lengths = numpy.asarray(sizes, dtype=numpy.int32)
+        numpy.cumsum(lengths, out=offsets[1:count + 1])
+        offsets[count + 1:] = tokens
+        last[:count] = offsets[1:count + 1] - 1
+        meta[:tokens] = numpy.concatenate(rows)
+        meta[stride:stride + tokens] = numpy.arange(tokens, dtype=numpy.int32) - numpy.repeat(offsets[:count], lengths)
+    if slots is not None:
+        meta[2 * stride:2 * stride + tokens] = slots[0] if count == 1 else numpy.repeat(
+            numpy.asarray(slots, dtype=numpy.int32), sizes)
+        meta[2 * stride + tokens:3 * stride] = -1
+    return meta
+
+
+def _meta_views(meta: cupy.ndarray, T: int, n: int) -> tuple:
+    """(ids, positions, cache rows, offsets, last rows) in a device copy of _prefill_meta's
+    array (the last rows of all n prompts, padding ones included)."""
+    stride = -(-T // 8) * 8
+    return (meta[:T], meta[stride:stride + T], meta[2 * stride:2 * stride + T], meta[3 * stride:3 * stride + n + 1],
+            meta[3 * stride + n + 1:3 * stride + 2 * n + 1])
+
+
+@dataclass
+class _Record:
+    """A prefill recorded into a cache (GPT2._forward): its launches, the device copy of its
+    per-call data (_prefill_meta), its outputs (x, y of _blocks), its rows, and its CUDA graph
+    once captured."""
+    plan: object
+    meta: cupy.ndarray
+    x: cupy.ndarray
+    y: cupy.ndarray | None
+    tokens: int
+    graph: object = None
+    uses: int = 0
 
 
 def dtype_name(dtype) -> str:
@@ -503,13 +582,21 @@ class GPT2:
         """How prompts of these lengths are prefilled: runs [lo, hi) of consecutive prompts,
         each run one forward over its tokens packed together, of at most PREFILL_TOKENS
         tokens (or one longer prompt): short prompts (at most SHORT_PROMPT tokens, 16-bit
-        models) only with short ones, at most SHORT_PACK tokens together. float32 prefills
-        each prompt alone."""
-        short = [short_prompts(self.dtype, [n]) for n in lengths]
+        models) only with short ones, at most SHORT_PACK tokens together where their run of
+        consecutive short prompts holds at most SHORT_RECORDS such packs' tokens. float32
+        prefills each prompt alone."""
+        short = [short_prompt(self.dtype, n) for n in lengths]
+        budget, i = [], 0  # each prompt's pack budget, from its run of short or other prompts
+        while i < len(lengths):
+            j = i + 1
+            while j < len(lengths) and short[j] == short[i]:
+                j += 1
+            few = sum(lengths[i:j]) <= SHORT_PACK * SHORT_RECORDS
+            budget += [SHORT_PACK if short[i] and few else PREFILL_TOKENS] * (j - i)
+            i = j
         groups, lo, tokens = [], 0, 0
         for i, n in enumerate(lengths):
-            budget = SHORT_PACK if short[lo] else PREFILL_TOKENS
-            if i > lo and (self.dtype == numpy.float32 or short[i] != short[lo] or tokens + n > budget):
+            if i > lo and (self.dtype == numpy.float32 or short[i] != short[lo] or tokens + n > budget[lo]):
                 groups.append((lo, i))
                 lo, tokens = i, 0
             tokens += n
@@ -536,49 +623,58 @@ class GPT2:
             self._forward(rows[lo:hi], cache, None if slots is None else slots[lo:hi], out_last[lo:hi])
 
     def _forward(self, rows, cache: KVCache | None, slots, out_last: cupy.ndarray | None):
-        """One forward over the tokens of prompts ``rows`` concatenated along time (no padding):
-        every product over all of them at once, attention by ``flash_attention``'s
-        ``cu_seqlens`` so that no prompt sees another's keys, each token's key and value into
-        its prompt's cache row. With ``out_last`` ([n, C]) writes each prompt's last residual
-        there (see _prefill) and returns None; without, returns the final-LayerNorm output of
-        every token [T, C].
+        """One forward over the tokens of prompts ``rows`` concatenated along time: every
+        product over all of them at once, attention by ``flash_attention``'s ``cu_seqlens`` so
+        that no prompt sees another's keys, each token's key and value into its prompt's cache
+        row. With ``out_last`` ([n, C]) writes each prompt's last residual there (see _prefill)
+        and returns None; without, returns the final-LayerNorm output of every token [T, C].
 
-        A prefill of at most PLAN_TOKENS tokens into a cache (16-bit models) replays the
-        launches recorded for its prompt lengths and cache rows, kept with the cache (at most
-        PLANS of them, the least recently used dropped): only the token ids are copied in.
-        Its host cost is then a launch per kernel, without the wrappers' checks (GPT-2 XL,
-        8 tokens: the forward is otherwise bound by them, tens of milliseconds), or, on a
-        stream other than the legacy one, a single launch of the record's CUDA graph
-        (PREFILL_GRAPH), captured the first time.
+        A prefill into a cache (16-bit models) replays the launches recorded for its bucket of
+        shapes (RECORD_TOKENS, record_size), kept with the cache: only its token ids,
+        positions, cache rows and offsets are copied in. Its host cost is then a launch per
+        kernel, without the wrappers' checks, or, on a stream other than the legacy one, a
+        single launch of the record's CUDA graph (PREFILL_GRAPH), captured at its second use.
         """
         cfg = self.config
         eps = cfg.layer_norm_epsilon
-        lengths = numpy.array([r.size for r in rows], dtype=numpy.int32)
-        cu_seqlens = numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32)  # [n + 1]
-        T = int(cu_seqlens[-1])
-        ids = numpy.concatenate(rows).astype(numpy.int32)  # [T]
-        if out_last is not None and cache is not None and self.dtype != numpy.float32 and T <= PLAN_TOKENS:
-            key = (tuple(lengths.tolist()), tuple(int(s) for s in slots))
+        sizes = [int(r.size) for r in rows]
+        n, T, longest = len(sizes), sum(sizes), max(sizes)
+        short = short_prompt(self.dtype, longest)
+        recorded = out_last is not None and cache is not None and self.dtype != numpy.float32
+        if recorded:  # padded to the record's bucket
+            rows_t = record_size(T, 8)
+            seqs, most = record_size(n), min(record_size(longest, 8), rows_t)
+            recorded = rows_t <= RECORD_TOKENS
+        if not recorded:
+            rows_t, seqs, most = T, n, longest
+        meta = _prefill_meta(rows, sizes, slots, rows_t, seqs)
+        if recorded:
+            key = (short, PREFILL_FOLD, rows_t, seqs, most)
             entry = cache.plans.pop(key, None)
             if entry is None:
-                ids_dev = cupy.empty(T, dtype=numpy.int32)
+                meta_dev = cupy.empty(meta.size, dtype=numpy.int32)
                 with _build.recording() as plan:
-                    x, y, last = self._blocks(ids_dev, lengths, cu_seqlens, cache, slots)
-                entry = [plan, ids_dev, x, y, last, None]
-            if len(cache.plans) >= PLANS:
-                del cache.plans[next(iter(cache.plans))]  # the least recently used
+                    x, y = self._blocks(meta_dev, rows_t, seqs, most, short, cache, padded=True)
+                entry = _Record(plan, meta_dev, x, y, rows_t)
+                while cache.plans and (len(cache.plans) >= PLANS
+                                       or sum(e.tokens for e in cache.plans.values()) + rows_t > RECORD_TOKENS):
+                    del cache.plans[next(iter(cache.plans))]  # the least recently used
             cache.plans[key] = entry
-            plan, ids_dev, x, y, last, graph = entry
-            ids_dev.set(ids)
+            entry.meta.set(meta)
             stream = cupy.cuda.get_current_stream()
-            if graph is None and PREFILL_GRAPH and stream.ptr != 0:  # (the legacy stream cannot be captured)
-                entry[5] = graph = _build.capture(stream, plan, pdl=_build.pdl_supported())
-            if graph is not None:
-                graph.launch(stream)
+            if entry.graph is None and entry.uses and PREFILL_GRAPH and stream.ptr != 0:  # (not the legacy stream)
+                entry.graph = _build.capture(stream, entry.plan, pdl=_build.pdl_supported())
+            entry.uses += 1
+            if entry.graph is not None:
+                entry.graph.launch(stream)
             else:
-                plan.replay()
+                entry.plan.replay()
+            x, y, meta_dev = entry.x, entry.y, entry.meta
         else:
-            x, y, last = self._blocks(cupy.asarray(ids), lengths, cu_seqlens, cache, slots)
+            meta_dev = cupy.asarray(meta)
+            x, y = self._blocks(meta_dev, T, n, longest, short, cache)
+        at = meta.size - seqs  # (_meta_views: each prompt's last row)
+        last = meta_dev[at:at + n]
         blk = self.blocks[-1]
         if y is None:  # the folded products: x is the residual stream after the last block
             if out_last is not None:
@@ -592,28 +688,29 @@ class GPT2:
         _, h = K.layernorm_residual(x, y, self.ln_f_w, self.ln_f_b, proj_bias=blk.mlp_proj_b, eps=eps, sum_out=x)
         return h
 
-    def _blocks(self, ids: cupy.ndarray, lengths, cu_seqlens, cache: KVCache | None, slots):
-        """Embedding and every block over packed tokens ``ids`` (int32 [T] on the device),
-        up to the last block's MLP output: (x the residual stream before it, y that output,
-        each prompt's last row in them); with the folded products of short prompts
-        (PREFILL_FOLD), y is None and x is the residual stream after the last block. One set
+    def _blocks(self, meta: cupy.ndarray, T: int, n: int, longest: int, short: bool, cache: KVCache | None,
+                padded: bool = False):
+        """Embedding and every block over T packed tokens, up to the last block's MLP output:
+        (x the residual stream before it, y that output); with the folded products of short
+        prompts (PREFILL_FOLD), y is None and x is the residual stream after the last block.
+        ``meta``: int32 on the device, _prefill_meta's token ids, positions, cache rows and the
+        n + 1 prompt offsets; ``longest``: at least the longest prompt. ``padded``: rows past
+        the last offset may be padding (a record), whose attention output stays zero. One set
         of buffers serves every layer."""
         cfg = self.config
         C, H, D, eps = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
-        T = ids.shape[0]
-        positions = cupy.asarray(numpy.concatenate([numpy.arange(n, dtype=numpy.int32) for n in lengths]))
-        if cache is not None:  # each token's cache row: its prompt's slot, at its position
-            token_slots = cupy.asarray(numpy.repeat(numpy.asarray(slots, dtype=numpy.int32), lengths))
-        last = cupy.asarray(cu_seqlens[1:] - 1)  # each prompt's last token
-        short = short_prompts(self.dtype, lengths)
+        ids, positions, token_slots, cu_seqlens, _ = _meta_views(meta, T, n)
         fold = short and self.folded and PREFILL_FOLD
         stats = cupy.empty((T, -(-C // 16), 2), dtype=numpy.float32) if fold else None  # linear's stats_out
         x = K.embedding(ids, self.wte, self.wpe, positions, stats_out=stats)  # [T, C] residual stream
         h = None if fold else K.layernorm(x, self.blocks[0].ln_1_w, self.blocks[0].ln_1_b, eps=eps)  # normalized
         qkv = cupy.empty((T, 3 * C), dtype=self.dtype)
-        a = cupy.empty((1, T, H, D), dtype=self.dtype)
+        a = (cupy.zeros if padded else cupy.empty)((1, T, H, D), dtype=self.dtype)
         y = None if fold else cupy.empty((T, C), dtype=self.dtype)
         f = cupy.empty((T, 4 * C), dtype=self.dtype)
+        q, k, v = (qkv.reshape(1, T, 3, H, D)[:, :, j] for j in range(3))  # [1, T, H, D] views
+        kv = qkv.reshape(T, 1, 3, H, D)  # every token a sequence of one: [T, 1, H, D] views
+        k_new, v_new = kv[:, :, 1], kv[:, :, 2]
         for i, blk in enumerate(self.blocks):
             if fold:  # each LayerNorm in the epilogue of the product after it, from x's row statistics
                 K.linear(x, blk.attn_w, ln_fold=(stats, blk.attn_u, blk.attn_c, eps), out=qkv)
@@ -623,11 +720,9 @@ class GPT2:
                     K.layernorm_residual(x, y, blk.ln_1_w, blk.ln_1_b, proj_bias=prev.mlp_proj_b, eps=eps, out=h,
                                          sum_out=x)
                 self._matmul(h, blk.attn_w, blk.attn_b, out=qkv, short=short)  # [T, 3C]
-            q, k, v = (qkv.reshape(1, T, 3, H, D)[:, :, j] for j in range(3))  # [1, T, H, D] views
-            if cache is not None:  # every token a sequence of one: [T, 1, H, D] views
-                kv = qkv.reshape(T, 1, 3, H, D)
-                K.kv_append(k=kv[:, :, 1], v=kv[:, :, 2], start=positions, slots=token_slots, **cache.layer(i))
-            K.flash_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, out=a)
+            if cache is not None:
+                K.kv_append(k=k_new, v=v_new, start=positions, slots=token_slots, **cache.layer(i))
+            K.flash_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, max_seqlen=longest, out=a)
             if fold:  # the residual adds in the epilogues, which leave the statistics of x
                 K.linear(a.reshape(T, C), blk.attn_proj_w, blk.attn_proj_b, residual=x, out=x, stats_out=stats)
                 K.linear(x, blk.fc_w, gelu=True, out=f, ln_fold=(stats, blk.fc_u, blk.fc_c, eps))
@@ -638,7 +733,7 @@ class GPT2:
                                      sum_out=x)
                 self._matmul(h, blk.fc_w, blk.fc_b, gelu=True, out=f, short=short)  # [T, 4C]
                 self._matmul(f, blk.mlp_proj_w, out=y, short=short)  # [T, C]
-        return x, y, last
+        return x, y
 
     def logits(self, input_ids) -> cupy.ndarray:
         """Full forward without cache: logits [B, T, V] in the model's dtype for input_ids

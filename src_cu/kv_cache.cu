@@ -5,7 +5,8 @@
 //
 // k and v are strided [B, T_new, H, D] views (the fused qkv buffer's thirds); the cache is
 // a contiguous [B_cache, H, S_max, D] array. One block per (b, t), VEC-wide chunks of H*D.
-// Bytes: read + write 2 T_new H D elements per sequence.
+// Bytes: read + write 2 T_new H D elements per sequence. A negative slot writes nothing: the
+// padding rows of a recorded prefill (gpt2_cupy/model.py, _forward), which no sequence holds.
 //
 // kv_append_quant_kernel: the same rows into an int8 or fp8 cache (kv.cuh): one warp per
 // (b, t, head) row finds max|x| with xor-shuffles, stores scale = max|x| / QMAX and the
@@ -31,6 +32,7 @@ __global__ void kv_append_kernel(T* __restrict__ k_cache, T* __restrict__ v_cach
     griddep_launch_dependents();
     const int b = blockIdx.x / T_new, t = blockIdx.x % T_new;
     const int slot = slots != nullptr ? slots[b] : b;
+    if (slot < 0) return;  // a padding row
     const long long pos = start[b] + t;
     for (int e = threadIdx.x * VEC; e < H * D; e += blockDim.x * VEC) {
         const int h = e / D, d = e % D;
@@ -57,6 +59,7 @@ __global__ void kv_append_quant_kernel(KT* __restrict__ k_cache, KT* __restrict_
     constexpr int PER = D / 32;  // elements per lane
     const int b = blockIdx.x / T_new, t = blockIdx.x % T_new;
     const int slot = slots != nullptr ? slots[b] : b;
+    if (slot < 0) return;  // a padding row
     const long long pos = start[b] + t;
     const int lane = threadIdx.x % 32;
     for (int h = threadIdx.x / 32; h < H; h += blockDim.x / 32) {

@@ -177,6 +177,40 @@ def test_flash_attention_varlen_packed_sequences(D, dtype):
         assert cp.array_equal(seq, K.flash_attention(q[:, a:b], k[:, a:b], v[:, a:b], causal=True))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_flash_attention_varlen_max_seqlen_padded(dtype):
+    """cu_seqlens on the GPU with max_seqlen (no host check): padded rows past the last offset,
+    empty sequences after it and max_seqlen above the longest sequence give every sequence the
+    bits of the checked call, and leave the padded rows as they were."""
+    lens, pad, D, H = [5, 0, 70, 33], 27, 64, 2
+    T = sum(lens) + pad
+    rng = np.random.default_rng(31)
+    (q, k, v), _ = fused(rng, 1, T, H, D, dtype)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    checked = K.flash_attention(q[:, :T - pad], k[:, :T - pad], v[:, :T - pad], causal=True, cu_seqlens=cu)
+    out = poisoned((1, T, H, D), dtype)
+    cu_dev = cp.asarray(np.concatenate([cu, [cu[-1]] * 3]), dtype=cp.int32)  # three empty sequences after them
+    assert K.flash_attention(q, k, v, cu_seqlens=cu_dev, max_seqlen=96, out=out) is out
+    assert cp.array_equal(out[:, :T - pad], checked)
+    assert bool(cp.isnan(out[:, T - pad:].astype(cp.float32)).all())  # (poisoned: not written)
+
+
+def test_flash_attention_varlen_max_seqlen_checks():
+    q = cp.ones((1, 8, 2, 64), np.float16)
+    cu = cp.asarray([0, 8], dtype=cp.int32)
+    with pytest.raises(TypeError, match="int32 array on the GPU"):
+        K.flash_attention(q, q, q, cu_seqlens=[0, 8], max_seqlen=8)
+    with pytest.raises(TypeError, match="int32 array on the GPU"):
+        K.flash_attention(q, q, q, cu_seqlens=cu.astype(cp.int64), max_seqlen=8)
+    for bad in (9, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_seqlen must be an int"):
+            K.flash_attention(q, q, q, cu_seqlens=cu, max_seqlen=bad)
+    with pytest.raises(ValueError, match="max_seqlen goes with cu_seqlens"):
+        K.flash_attention(q, q, q, max_seqlen=8)
+    with pytest.raises(ValueError, match="n \\+ 1 >= 2"):
+        K.flash_attention(q, q, q, cu_seqlens=cu[:1], max_seqlen=8)
+
+
 def test_flash_attention_varlen_bad_offsets_raise():
     q = cp.ones((1, 8, 2, 64), np.float16)
     for cu, match in (([0, 3, 9], "rise from 0 to T"), ([1, 8], "rise from 0"), ([0, 5, 3, 8], "without falling"),

@@ -138,10 +138,38 @@ def test_max_new_tokens_per_prompt():
         check_budgets(rows, 2.5)
 
 
+def test_record_size_buckets_and_prefill_meta_padding():
+    """A recorded prefill's bucket: eight sizes an octave, at most an eighth over past 8 least;
+    the per-call data: token ids, positions, cache rows (-1 for padding) and offsets (the last
+    repeated for padding prompts), each part on a 32-byte boundary."""
+    from gpt2_cupy.model import _prefill_meta, record_size
+
+    assert [record_size(n, 8) for n in (1, 8, 9, 17, 37, 100, 512, 513, 2049)] == [8, 8, 16, 24, 40, 104, 512, 576,
+                                                                                      2304]
+    assert [record_size(n) for n in (1, 3, 9, 17, 33)] == [1, 3, 9, 18, 36]
+    for n in range(1, 5000):
+        b = record_size(n, 8)
+        assert b >= n and b == record_size(b, 8) and (n <= 64 or b - n <= n / 8), n
+    rows = [np.array([5, 6, 7]), np.array([9, 8])]
+    meta = _prefill_meta(rows, [3, 2], [4, 1], 9, 4)  # 9 rows (4 padding), 4 prompts (2 padding)
+    stride = 16
+    assert meta.dtype == np.int32 and meta.size == 3 * stride + 9
+    assert meta[:stride].tolist() == [5, 6, 7, 9, 8] + [0] * 11
+    assert meta[stride:2 * stride].tolist() == [0, 1, 2, 0, 1] + [0] * 11
+    assert meta[2 * stride:2 * stride + 9].tolist() == [4, 4, 4, 1, 1, -1, -1, -1, -1]
+    assert meta[3 * stride:].tolist() == [0, 3, 5, 5, 5] + [2, 4, 0, 0]  # offsets, then the last rows
+    alone = _prefill_meta(rows[1:], [2], None, 2, 1)  # one prompt, no cache, no padding
+    assert alone.tolist() == [9, 8] + [0] * 6 + [0, 1] + [0] * 6 + [0] * 8 + [0, 2, 1]
+    one = _prefill_meta(rows[:1], [3], [2], 8, 2)  # one prompt, padded
+    assert one.tolist() == [5, 6, 7] + [0] * 5 + [0, 1, 2] + [0] * 5 + [2] * 3 + [-1] * 5 + [0, 3, 3] + [2, 0]
+    assert (_prefill_meta(rows, [3, 2], [4, 1], 5, 2)[:3 * 8 + 3].tolist()  # no padding
+            == [5, 6, 7, 9, 8, 0, 0, 0, 0, 1, 2, 0, 1, 0, 0, 0, 4, 4, 4, 1, 1, -1, -1, -1, 0, 3, 5])
+
+
 def test_prefill_groups_pack_prompts_up_to_the_token_budget():
     from types import SimpleNamespace
 
-    from gpt2_cupy.model import GPT2, PREFILL_TOKENS, SHORT_PACK, SHORT_PROMPT
+    from gpt2_cupy.model import GPT2, PLANS, PREFILL_TOKENS, SHORT_PACK, SHORT_PROMPT, SHORT_RECORDS
 
     half = SimpleNamespace(dtype=np.dtype(np.float16))
     lengths = [1000, 5000, 2500, 700, 8192, 1, 1]
@@ -150,9 +178,13 @@ def test_prefill_groups_pack_prompts_up_to_the_token_budget():
     assert all(sum(lengths[lo:hi]) <= PREFILL_TOKENS for lo, hi in groups)
     assert GPT2.prefill_groups(half, [3]) == [(0, 1)]
     # short prompts (at most SHORT_PROMPT tokens) pack only with short ones, up to SHORT_PACK tokens
-    assert SHORT_PROMPT == 16 and SHORT_PACK == 256
+    # while their run holds at most SHORT_RECORDS such packs (fewer records than a cache keeps)
+    assert SHORT_PROMPT == 16 and SHORT_PACK == 256 and SHORT_RECORDS == 4 < PLANS
     assert GPT2.prefill_groups(half, [3, 40, 5, 6, 16, 17, 2]) == [(0, 1), (1, 2), (2, 5), (5, 6), (6, 7)]
-    assert GPT2.prefill_groups(half, [16] * 600) == [(i, min(i + 16, 600)) for i in range(0, 600, 16)]
+    assert GPT2.prefill_groups(half, [16] * 64) == [(i, i + 16) for i in range(0, 64, 16)]
+    # a longer run: packs of up to PREFILL_TOKENS, the runs around it as before
+    assert GPT2.prefill_groups(half, [16] * 600) == [(0, 512), (512, 600)]
+    assert GPT2.prefill_groups(half, [16] * 65 + [40] + [8] * 3) == [(0, 65), (65, 66), (66, 69)]
     assert GPT2.prefill_groups(half, [15, 1] * 16 + [2]) == [(0, 32), (32, 33)]
     assert GPT2.prefill_groups(half, [40, 50, 1, 1]) == [(0, 2), (2, 4)]
     single = SimpleNamespace(dtype=np.dtype(np.float32))  # float32: every prompt alone

@@ -191,6 +191,36 @@ def test_kv_append(dtype):
     assert pos.get().tolist() == (start_h + 2).tolist()
 
 
+@pytest.mark.parametrize("kv", [None, "int8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kv_append_negative_slot_writes_nothing(dtype, kv):
+    """A negative slot (a padding row of a recorded prefill) writes no cache row, scale or
+    length; the rows beside it are written as usual."""
+    rng = np.random.default_rng(6)
+    B, T, H, D, S = 3, 2, 4, 64, 8
+    storage = K.kv_storage_dtype(kv, dtype)
+    kc, vc = (poisoned((3, H, S, D), dtype) if kv is None else cp.zeros((3, H, S, D), storage) for _ in range(2))
+    scales = {} if kv is None else {"k_scale": cp.full((3, H, S), np.nan, np.float32),
+                                    "v_scale": cp.full((3, H, S), np.nan, np.float32)}
+    qkv, qkvh = rand(rng, (B, T, 3, H, D), dtype)
+    start = cp.asarray([1, 4, 6], dtype=np.int32)
+    lens = cp.zeros(B, dtype=np.int32)
+    K.kv_append(kc, vc, qkv[:, :, 1], qkv[:, :, 2], start, slots=cp.asarray([2, -1, 0], dtype=np.int32),
+                seq_lens=lens, **scales)
+    assert lens.get().tolist() == [3, 0, 8]
+    if kv is None:
+        kh = kc.astype(cp.float32).get()
+        np.testing.assert_array_equal(kh[2, :, 1:3], qkvh[0, :, 1].transpose(1, 0, 2))
+        np.testing.assert_array_equal(kh[0, :, 6:8], qkvh[2, :, 1].transpose(1, 0, 2))
+        written = np.zeros(kh.shape[:3], bool)
+        written[2, :, 1:3] = written[0, :, 6:8] = True
+        assert np.isnan(kh[~written]).all()
+    else:
+        ks = scales["k_scale"].get()
+        assert np.isfinite(ks[2, :, 1:3]).all() and np.isfinite(ks[0, :, 6:8]).all()
+        assert np.isnan(ks[1]).all() and np.isnan(ks[0, :, :6]).all() and np.isnan(ks[2, :, 3:]).all()
+
+
 LINEAR_CASES = [  # (B, N, K, variant): GPT-2 small / XL decode shapes, batches, awkward sizes
     (1, 2304, 768, "ln"), (1, 768, 768, "residual"), (1, 3072, 768, "ln_gelu"), (1, 768, 3072, "residual"),
     (1, 50257, 768, "ln_logits"), (1, 4800, 1600, "ln"), (1, 1600, 6400, "residual"), (1, 6400, 1600, "ln_gelu"),

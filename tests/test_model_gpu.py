@@ -452,27 +452,30 @@ def test_packed_prefill_equals_each_prompt_alone(small, dtype, monkeypatch):
         [(i, i + 1) for i in range(n)] if dtype == "float32" else [(0, 1), (1, 2), (2, 3), (3, 6), (6, 8)])
 
 
-@pytest.mark.parametrize("lengths", [(3, 12), (20, 17)], ids=["short", "long"])
+@pytest.mark.parametrize("lengths,other", [((3, 12), (4, 10)), ((20, 17), (19, 18))], ids=["short", "long"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_recorded_prefill_replays_the_forward(small, dtype, lengths, monkeypatch):
-    """A short prefill into a cache is recorded once per (prompt lengths, cache rows) and
-    replayed with new token ids, launch by launch or, on a stream of its own, as a CUDA graph:
-    the cache and the last residuals get exactly the bits of the forward run launch by launch;
-    the cache keeps its PLANS most recent records. Short prompts (SHORT_PROMPT, the decode
-    step's products) and longer ones (the gemm)."""
+def test_recorded_prefill_replays_the_forward(small, dtype, lengths, other, monkeypatch):
+    """A prefill into a cache is recorded once per bucket of its shape (record_size: tokens,
+    prompts, the longest, padded) and replayed with new token ids, lengths and cache rows,
+    launch by launch and then, on a stream of its own, as a CUDA graph: the cache and the last
+    residuals get exactly the bits of the forward run launch by launch without padding (the
+    padding rows write nothing); the cache keeps at most PLANS records of RECORD_TOKENS tokens
+    together. Short prompts (SHORT_PROMPT, the decode step's products) and longer ones (the
+    gemm)."""
     import gpt2_cupy.model as M
 
     hf, _ = small
     model = GPT2.from_hf(hf, dtype)
     rng = np.random.default_rng(9)
     C = model.config.n_embd
-    assert model.prefill_groups(lengths) == [(0, 2)]  # one forward
+    assert model.prefill_groups(lengths) == model.prefill_groups(other) == [(0, 2)]  # one forward each
+    assert M.record_size(sum(lengths), 8) > sum(lengths)  # padded
 
-    def prompts():
-        return [rng.integers(0, 50257, n) for n in lengths]
+    def prompts(ns):
+        return [rng.integers(0, 50257, n) for n in ns]
 
     def run(cache, rows, slots):
-        last = cp.full((2, C), np.nan, dtype=np.float32).astype(model.dtype)
+        last = cp.full((len(rows), C), np.nan, dtype=np.float32).astype(model.dtype)
         model._prefill(rows, cache, slots, last)
         return last
 
@@ -482,35 +485,45 @@ def test_recorded_prefill_replays_the_forward(small, dtype, lengths, monkeypatch
         cache.v.fill(0)
         return cache
 
-    first, second, third = prompts(), prompts(), prompts()
-    monkeypatch.setattr(M, "PLAN_TOKENS", 0)  # launch by launch
-    eager = fresh()
-    eager_last = run(eager, second, [2, 0])
-    monkeypatch.setattr(M, "PLAN_TOKENS", 256)
+    def same(last, cache, want_last, want):
+        return (cp.array_equal(last, want_last) and cp.array_equal(cache.k, want.k)
+                and cp.array_equal(cache.v, want.v))
+
+    first, second, third = prompts(lengths), prompts(lengths), prompts(other)
+    monkeypatch.setattr(M, "RECORD_TOKENS", 0)  # launch by launch, no padding
+    eager, eager_other = fresh(), fresh()
+    eager_last, other_last = run(eager, second, [2, 0]), run(eager_other, third, [1, 2])
+    monkeypatch.setattr(M, "RECORD_TOKENS", 2048)
     cache = fresh()
     run(cache, first, [2, 0])  # recorded (and run)
-    cache.k.fill(0)
-    cache.v.fill(0)
-    last = run(cache, second, [2, 0])  # replayed with the second prompts' ids
-    assert len(cache.plans) == 1
-    assert cp.array_equal(last, eager_last)
-    assert cp.array_equal(cache.k, eager.k) and cp.array_equal(cache.v, eager.v)
+    for rows, slots, want_last, want in ((second, [2, 0], eager_last, eager), (third, [1, 2], other_last, eager_other)):
+        cache.k.fill(0)
+        cache.v.fill(0)
+        last = run(cache, rows, slots)  # the record, with these prompts' ids, lengths and rows
+        assert len(cache.plans) == 1
+        assert same(last, cache, want_last, want)
+    (bucket,) = cache.plans
     monkeypatch.setattr(M, "PLANS", 2)
-    run(cache, third, [0, 1])  # other rows: a record of its own
-    run(cache, third[:1] + second[1:], [2, 1])
-    assert list(cache.plans) == [(lengths, (0, 1)), (lengths, (2, 1))]  # the first record dropped
+    run(cache, prompts([5]), [1])  # other buckets: records of their own
+    run(cache, prompts([30]), [0])
+    assert [k[2:] for k in cache.plans] == [(8, 1, 8), (32, 1, 32)]  # the first record dropped
+    monkeypatch.setattr(M, "RECORD_TOKENS", 40)
+    run(cache, prompts([9]), [2])  # 16 tokens more than 40 together: both dropped
+    assert [k[2:] for k in cache.plans] == [(16, 1, 16)]
+    assert bucket[2:] == (M.record_size(sum(lengths), 8), 2, M.record_size(max(lengths), 8))
+    monkeypatch.setattr(M, "RECORD_TOKENS", 2048)
     stream = cp.cuda.Stream(non_blocking=True)
-    with stream:  # on a stream of its own the record runs as a CUDA graph, captured the first time
+    with stream:  # on a stream of its own the record runs as a CUDA graph from its second use on
         graphed = fresh()
-        run(graphed, first, [2, 0])  # recorded, captured and run
+        run(graphed, first, [2, 0])  # recorded, run launch by launch
+        (entry,) = graphed.plans.values()
+        assert entry.graph is None
         graphed.k.fill(0)
         graphed.v.fill(0)
-        last = run(graphed, second, [2, 0])  # the graph, with the second prompts' ids
+        last = run(graphed, second, [2, 0])  # captured and run, with the second prompts' ids
         stream.synchronize()
-    ((*_, graph),) = graphed.plans.values()
-    assert graph is not None
-    assert cp.array_equal(last, eager_last)
-    assert cp.array_equal(graphed.k, eager.k) and cp.array_equal(graphed.v, eager.v)
+    assert entry.graph is not None
+    assert same(last, graphed, eager_last, eager)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
