@@ -81,8 +81,9 @@ PLANS = 8
 # once costs what the forward costs without a record), with programmatic dependent launch where
 # available: the host then pays one launch instead of one per kernel (GPT-2 XL: about 390).
 PREFILL_GRAPH = True
-# Tokens a pack of short prompts takes at most: one record's, so that each pack replays it
-# instead of running launch by launch. H100, float16, folded, ms, packs of 256 / 8,192 tokens
+# Tokens a pack of short prompts takes at most (in runs of few packs, SHORT_RECORDS below), so
+# that each pack replays a record (packs of equal prompts share one). H100, float16, folded, ms, packs of
+# 256 / 8,192 tokens, each pack then recorded or run launch by launch
 # (fold_prefill_pack-h100.json): GPT-2 small 64 prompts of 8 2.034 / 6.065, 256 of 8 7.993 /
 # 7.100; XL 24.445 / 24.054, 97.413 / 85.886. Packs of 512 / 1,024 (fold_prefill_packs-h100.json,
 # against 256): small 256 of 8 6.590 / 6.195 against 8.085, XL 90.120 / 86.594 against 98.601.
