@@ -104,7 +104,9 @@ def gpu_seconds_behind_wait(fn, stream, repeats: int, wait_s: float) -> float:
     launches queued behind a kernel that waits on that stream: the GPU's time alone, not the
     host's launch cost. The wait starts at ``wait_s`` seconds and doubles (up to four times)
     whenever the host took longer than it to queue the launches (the time would then be the
-    host's; with the GPU held back, the host's own calls can take longer than otherwise)."""
+    host's; with the GPU held back, the host's own calls can take longer than otherwise). The
+    wait reads the GPU's global timer, so its length is known, where _spin's sleep counts clock
+    cycles at the nominal clock, on torch's stream rather than ``stream``."""
     wait = cupy.RawKernel(_WAIT, "wait_ns")
     best = float("inf")
     for _ in range(repeats):

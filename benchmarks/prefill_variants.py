@@ -19,6 +19,7 @@ in effect while it runs. Writes benchmarks/results/<--name>-<device>.json
 
 from __future__ import annotations
 
+import argparse
 import statistics
 
 import cupy as cp
@@ -97,25 +98,26 @@ def run_case(size: str, dtype: str, variants: list[tuple[str, dict]], sets=DEFAU
     return rows
 
 
-def main():
-    chosen = {}
+def parse_sets(text: str) -> tuple[str, ...]:
+    """``--sets``: comma-separated keys of PROMPT_SETS, each once."""
+    sets = tuple(dict.fromkeys(text.split(",")))
+    unknown = [k for k in sets if k not in PROMPT_SETS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown prompt sets {unknown} (known: {', '.join(PROMPT_SETS)})")
+    return sets
 
+
+def main():
     def options(parser):
-        parser.add_argument("--sets", default=",".join(DEFAULT_SETS),
+        parser.add_argument("--sets", type=parse_sets, default=DEFAULT_SETS,
                             help=f"prompt sets, comma-separated, of {', '.join(PROMPT_SETS)}")
 
-        def check(args):
-            chosen["sets"] = tuple(dict.fromkeys(args.sets.split(",")))
-            unknown = [k for k in chosen["sets"] if k not in PROMPT_SETS]
-            return f"unknown prompt sets {unknown} (known: {', '.join(PROMPT_SETS)})" if unknown else None
-        return check
-
-    cases, variants, name = parse_command_line(__doc__, "prefill_variants", "size:dtype, e.g. gpt2:float16",
-                                               parse_case, options)
+    cases, variants, name, args = parse_command_line(__doc__, "prefill_variants", "size:dtype, e.g. gpt2:float16",
+                                                     parse_case, options)
     print(banner(), flush=True)
     rows = []
     for size, dtype in cases:
-        rows += run_case(size, dtype, variants, chosen["sets"])
+        rows += run_case(size, dtype, variants, args.sets)
         write_results(name, rows, {})
     print(f"wrote {write_results(name, rows, {})}")
 

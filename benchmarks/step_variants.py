@@ -188,13 +188,13 @@ def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]
     return rows
 
 
-def parse_command_line(doc: str, name: str, case_help: str, case_of, options=None) -> tuple[list, list, str]:
-    """(cases, variants, results name) of a variants benchmark's command line: cases parsed by
-    ``case_of``, then ``--variant`` (repeated; the first is the reference) and ``--name``.
-    ``options``: a function that adds the benchmark's own arguments to the parser and
-    checks them (its return is parsed arguments -> None, or a message for the parser's error)."""
+def parse_command_line(doc: str, name: str, case_help: str, case_of, options=None) -> tuple:
+    """(cases, variants, results name, all parsed arguments) of a variants benchmark's command
+    line: cases parsed by ``case_of``, then ``--variant`` (repeated; the first is the
+    reference) and ``--name``; ``options(parser)`` adds the benchmark's own arguments."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    check = options(p) if options is not None else None
+    if options is not None:
+        options(p)
     p.add_argument("cases", nargs="+", help=case_help)
     p.add_argument("--variant", action="append", required=True,
                    help="name[:CONST=value;...] (constants of gpt2_cupy.model, or module.CONST); repeat; the first "
@@ -208,13 +208,11 @@ def parse_command_line(doc: str, name: str, case_help: str, case_of, options=Non
         p.error(str(err))
     if len({n for n, _ in variants}) != len(variants):
         p.error("variant names must differ")
-    if check is not None and (message := check(args)):
-        p.error(message)
-    return cases, variants, args.name
+    return cases, variants, args.name, args
 
 
 def main():
-    cases, variants, name = parse_command_line(__doc__, "step_variants", "size:dtype:batch, e.g. gpt2:float16:1",
+    cases, variants, name, _ = parse_command_line(__doc__, "step_variants", "size:dtype:batch, e.g. gpt2:float16:1",
                                                parse_case)
     print(banner(), flush=True)
     rows = []
