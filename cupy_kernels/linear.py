@@ -107,6 +107,10 @@ def _mma_ahead_name(c_type: str, u: int, epi: str) -> str:
     return f"linear_mma_ahead_kernel<{c_type}, {c_type}, {u}, {_EPI[epi]}>"
 
 
+def _mma_list_name(c_type: str, u: int) -> str:
+    return f"linear_mma_list_kernel<{c_type}, float, {u}>"
+
+
 def _mma_stream_name(c_type: str, xin: int, epi: str) -> str:
     return f"linear_mma_stream_kernel<{c_type}, float, {xin}, {_EPI[epi]}, {STREAM_STAGES}>"
 
@@ -155,7 +159,9 @@ _build.declare(
     + [  # W streamed through shared memory: float logits of tall weights for 17 to 64 rows (_mma_stream)
         _mma_stream_name(c, xin, epi) for c in _HALVES for xin in (X_PLAIN, X_LN_FOLD) for epi in ("store", "argmax")
     ]
-    + [_ln_rows_name(c) for c in _HALVES],
+    + [_ln_rows_name(c) for c in _HALVES]
+    + [_mma_list_name(c, u) for c in _HALVES for u in _MMA_BATCH[1]]  # (linear_argmax's screen)
+    + [f"linear_q8_max_kernel<{c}>" for c in _HALVES] + ["screen_tiles_kernel"],
     pdl=True,
 )
 _ARGMAX_SRC = "sampling.cu"
@@ -560,7 +566,7 @@ def _mma_stream(B: int, N: int, K: int, tile, xin: int, logits: bool, kw: int, s
 
 
 def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats, ahead=None,
-                pace=None, trigger="start"):
+                pace=None, trigger="start", tile_list=None):
     fold, stats_out = stats
     sms = _build.sm_count(cupy.cuda.Device().id)
     logits = out_type == "float" and epi in ("store", "argmax")
@@ -571,8 +577,12 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
         raise ValueError(f"pace={pace} GB/s is too slow for rows of {K} values: a block's delay must fit 2**31 ps")
     if ln is not None and xin == X_PLAIN:  # normalize once, then the plain product (the same bits)
         x, ln = ln_rows(x, ln), None
-    if _mma_stream(B, N, K, tile, xin, logits, kw, sms, _build.smem_optin(),
-                   (bias,) if fold is None else (fold[1], fold[2])):
+    if tile_list is not None:  # (linear_argmax's screen: one n-tile and m-tile, the folded LayerNorm)
+        kern = _build.kernel(_SRC, _mma_list_name(_build.ctype(x.dtype), u))
+        blocks, grid_y, threads = _build.cdiv(N, 16), 1, 32 * kw
+        grid_x = min(blocks, sms)
+    elif _mma_stream(B, N, K, tile, xin, logits, kw, sms, _build.smem_optin(),
+                     (bias,) if fold is None else (fold[1], fold[2])):
         kern = _build.kernel(_SRC, _mma_stream_name(_build.ctype(x.dtype), xin, epi))
         smem, xs_stride = _stream_smem(K, kw, xin == X_LN_FOLD), _xs_stride(K)
         blocks, grid_y, threads = min(_build.cdiv(N, 16), sms), _build.cdiv(B, STREAM_ROWS), 32 * STREAM_GROUPS * kw
@@ -583,29 +593,30 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
             kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, xin, epi, mt))
         blocks, grid_y, threads = _build.cdiv(N, 16 * mt), _build.cdiv(B, 8 * nt), 32 * kw
     _build.set_smem(kern, smem)
-    if part is not None:
+    if part is not None and not isinstance(part, tuple):
         part = part(blocks)
     null = 0
     ln_args = ln if fold is None else (null, null, fold[3])  # (ln_fold's eps where ln's goes)
-    kern((blocks, grid_y), (threads,),
+    kern((blocks if tile_list is None else grid_x, grid_y), (threads,),
          _args(out, x, weight, bias, ln_args, res, part, kv, B, N, K)
          + (i32(xs_stride), null if fold is None else fold[0], null if stats_out is None else stats_out,
             null if fold is None else fold[1], null if fold is None else fold[2], i32(pace_ps),
-            i32(TRIGGERS.index(trigger))),
+            i32(TRIGGERS.index(trigger)), null if tile_list is None else tile_list),
          shared_mem=smem)
     return blocks, part
 
 
 def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats=(None, None),
-            ahead=None, pace=None, trigger="start"):
+            ahead=None, pace=None, trigger="start", tile_list=None):
     """Launches the product (tensor cores for 16-bit vector rows, else CUDA cores); returns
-    its number of blocks and the argmax partials, made by ``part(blocks)`` when given.
+    its number of blocks and the argmax partials, made by ``part(blocks)`` when given (or
+    given made: a screened LM head's, whose ``tile_list`` names the tiles to compute).
     ``stats``: (ln_fold as (stats, u, c, eps), row statistics to write), tensor cores only."""
     mma = _tensor_cores(x, weight, K, ln)
     _check_tile(tile, warps, mma)
     if mma:
         return _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats,
-                           ahead, pace, trigger)
+                           ahead, pace, trigger, tile_list)
     if ahead:
         raise ValueError("ahead=True runs on tensor cores: float16 / bfloat16 rows of 16-byte vectors")
     if pace is not None:
@@ -792,7 +803,7 @@ def _check_pace(pace):
 
 
 def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, out=None, tile=None,
-                  warps=None, advance=None, embed=None) -> cupy.ndarray:
+                  warps=None, advance=None, embed=None, screen=None) -> cupy.ndarray:
     """Greedy next tokens: int32 [B], the first index of each row's largest value of
     ``norm(x) @ weight.T + bias`` (arguments as :func:`linear`), without a second pass
     over the logits: each block of the product reduces its own outputs, then one small
@@ -805,8 +816,14 @@ def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, o
     :func:`~cupy_kernels.embedding.embedding` with ``stats_out`` does (x_out [B, C], stats_out
     float32 [B, ceil(C / 16), 2]; the same bits); an index past wte's or wpe's rows reads
     their last row. x_out may be x (the kernel writes it after the product has read it).
+    ``screen`` (:func:`quantize_rows` of weight; with ``ln_fold``, tensor cores, 1 to 8 rows,
+    no ``logits``, ``tile`` or ``warps``): the same tokens, with W read at 8 bits a value
+    first and at its own width only on the tiles of 16 rows that may hold a row's largest
+    value (linear.cu, "The screened LM head": bounds, not estimates).
     """
     x, weight, bias, ln, B, N, K = _prepare(x, weight, bias, ln)
+    if screen is not None:
+        screen = _check_screen(screen, x, weight, N, K, B, ln_fold, logits, tile, warps)
     if logits is not None:
         logits = _checks.output(logits, "logits", (B, N), numpy.float32)
     out = _checks.output(out, "out", (B,), numpy.int32)
@@ -819,9 +836,14 @@ def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, o
         return out
     if N == 0 or K == 0:
         raise ValueError(f"argmax over an empty product (N = {N}, K = {K})")
-    blocks, part = _launch(x, weight, bias, ln, None, logits, lambda blocks: (
-        cupy.empty((B, blocks), dtype=numpy.float32), cupy.empty((B, blocks), dtype=numpy.int32)),
-        None, "float", "argmax", B, N, K, tile, warps, stats)
+    part = lambda blocks: (cupy.empty((B, blocks), dtype=numpy.float32),  # noqa: E731
+                           cupy.empty((B, blocks), dtype=numpy.int32))
+    tile_list = None
+    if screen is not None:  # the partials of the tiles it skips come from the screen
+        part = part(_build.cdiv(N, _Q8_TILE))
+        tile_list = _screen_tiles(x, screen, ln_fold, part, B, N, K)
+    blocks, part = _launch(x, weight, bias, ln, None, logits, part, None, "float", "argmax", B, N, K, tile, warps,
+                           stats, tile_list=tile_list)
     args = (out, part[0], part[1], i32(blocks), 0 if advance is None else advance)
     if embed is None:
         _build.kernel(_ARGMAX_SRC, _ARGMAX_NAME)((B,), (_ARGMAX_THREADS,), args)
@@ -831,6 +853,70 @@ def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, o
         kern((B,), (_ARGMAX_THREADS,), args + (x_out, stats_out, wte, wpe, i32(wte.shape[1]), i32(wte.shape[0]),
                                                 i32(wpe.shape[0])))
     return out
+
+
+SCREEN_MAX_ROWS = 8  # linear.cu's: rows of x a screened LM head takes
+_SCREEN_THREADS = 1024  # linear.cu's SCREEN_THREADS
+_Q8_TILE = 16  # rows of W a tile of linear_q8_max_kernel (and of linear_mma_kernel at one m-tile)
+_Q8_CHUNKS = 8  # linear.cu's Q8_BATCH: chunks of 32 values a warp takes of each row
+
+
+def quantize_rows(weight) -> tuple:
+    """``(q, scale)`` of a 16-bit weight [N, K] for :func:`linear_argmax`'s ``screen``:
+    q = round(w / scale) + 128 as uint8 [N, K] and scale = max |w| / 127 of each row
+    (float32 [N]; 1 for a row of zeros, NaN for a row with a value that is not finite,
+    which then takes the exact path)."""
+    weight = _checks.float_array(weight, "weight", ndim=2)
+    if weight.dtype.itemsize != 2:
+        raise TypeError(f"weight must be float16 or bfloat16, got {weight.dtype}")
+    w = weight.astype(numpy.float32)
+    amax = cupy.abs(w).max(axis=1)
+    finite = cupy.isfinite(w).all(axis=1)
+    scale = cupy.where(amax > 0, amax / numpy.float32(127), numpy.float32(1)).astype(numpy.float32)
+    q = cupy.rint(w / cupy.where(finite, scale, numpy.float32(1))[:, None]).clip(-127, 127)
+    q = (cupy.where(finite[:, None], q, 0) + 128).astype(numpy.uint8)
+    return cupy.ascontiguousarray(q), cupy.where(finite, scale, numpy.float32(numpy.nan)).astype(numpy.float32)
+
+
+def _check_screen(screen, x, weight, N: int, K: int, B: int, ln_fold, logits, tile, warps) -> tuple:
+    if not (isinstance(screen, (tuple, list)) and len(screen) == 2):
+        raise TypeError("screen must be quantize_rows' (q, scale)")
+    q, scale = _checks.as_array(screen[0], "screen's q"), _checks.as_array(screen[1], "screen's scale")
+    if q.dtype != numpy.uint8 or q.shape != (N, K) or not q.flags.c_contiguous or q.data.ptr % 8:
+        raise ValueError(f"screen's q must be C-contiguous, 8-byte aligned uint8 [{N}, {K}] (quantize_rows of weight)")
+    if scale.dtype != numpy.float32 or scale.shape != (N,) or not scale.flags.c_contiguous:
+        raise ValueError(f"screen's scale must be C-contiguous float32 [{N}]")
+    if ln_fold is None:
+        raise ValueError("screen takes the LayerNorm folded in: pass ln_fold")
+    if logits is not None or tile is not None or warps is not None:
+        raise ValueError("screen computes only the tiles that may hold the largest value: no logits, tile or warps")
+    if not 1 <= B <= SCREEN_MAX_ROWS:
+        raise ValueError(f"screen takes 1 to {SCREEN_MAX_ROWS} rows of x, got {B}")
+    if not _tensor_cores(x, weight, K, None):
+        raise TypeError("screen needs float16 / bfloat16 rows of 16-byte vectors (the tensor-core product)")
+    if _build.cdiv(K, 32) > _Q8_CHUNKS * _mma_warps(K):
+        raise ValueError(f"screen takes rows of at most {32 * _Q8_CHUNKS} values a warp: K = {K} is too wide")
+    return q, scale
+
+
+def _screen_tiles(x, screen, ln_fold, part, B: int, N: int, K: int) -> cupy.ndarray:
+    """linear_q8_max_kernel's bounds, then screen_tiles_kernel's list of the tiles to compute
+    (int32 [1 + tiles]: their count, then their indices); the others' partials into ``part``."""
+    q, scale = screen
+    stats, u, c, eps = ln_fold
+    tiles = _build.cdiv(N, _Q8_TILE)
+    hi = cupy.empty((B, tiles), dtype=numpy.float32)
+    lo = cupy.empty((B, tiles), dtype=numpy.float32)
+    tile_list = cupy.empty(1 + tiles, dtype=numpy.int32)
+    kw = _mma_warps(K)
+    blocks = min(tiles, _build.sm_count(cupy.cuda.Device().id) * max(1, MMA_MAX_WARPS // kw))
+    kern = _build.kernel(_SRC, f"linear_q8_max_kernel<{_build.ctype(x.dtype)}>")
+    smem = max(kw * 8 * MMA_RED_STRIDE * 4, 8 * _build.cdiv(K, STATS_COLS) * 8)
+    _build.set_smem(kern, smem)
+    kern((blocks,), (32 * kw,), (hi, lo, x, q, scale, u, c, stats, f32(eps), i32(B), i32(N), i32(K)), shared_mem=smem)
+    _build.kernel(_SRC, "screen_tiles_kernel")((1,), (_SCREEN_THREADS,),
+                                                (tile_list, part[0], part[1], hi, lo, i32(tiles), i32(B)))
+    return tile_list
 
 
 def _check_embed(embed, x, B: int, advance):

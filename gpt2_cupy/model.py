@@ -27,6 +27,7 @@ from cupy_kernels import _build
 from cupy_kernels.decode_attention import AHEAD_DEEP, launch_config
 from cupy_kernels.fixed_attention import HEAD_DIM as FIXED_HEAD_DIM
 from cupy_kernels.fixed_attention import MAX_KEYS as FIXED_MAX_KEYS
+from cupy_kernels.linear import SCREEN_MAX_ROWS
 
 from .config import SIZES, GPT2Config
 
@@ -310,6 +311,17 @@ DECODE_TRIGGER_EARLY_ROWS = 1
 #   "requested" with it 938.87 against 937.90 (another run, product_trigger_large-h100.json);
 #   medium, the MLP up "waited" 452.66 against 437.64 (late_sizes-h100.json). Neither is taken
 #   (large's 0.5% comes from one run).
+# Greedy 16-bit decode steps of sessions of up to DECODE_SCREEN_ROWS rows screen the LM head
+# (linear_argmax's screen=: the LM head's weight at 8 bits bounds every row's value, and only the
+# tiles of 16 rows that may hold the largest are computed exactly; the same tokens, the same
+# bits). In a diagnostic run's 512-token calls of random weights, 1 to 3 of GPT-2's 3,142 tiles
+# remained. H100, float16, us a sweep of 512 replays from 8 cached keys on one session's
+# buffers, screened / exact (benchmarks/results/head_screen-h100.json): GPT-2 small at batch 1
+# 179.55 / 185.10, XL 1481.62 / 1499.45, but GPT-2 small at batch 8 244.31 / 234.60 (the exact
+# product reads the weight once for every row). Sessions of 2 / 4 rows, screened / not
+# (head_screen_rows-h100.json): 192.03 / 194.97 and 220.88 / 218.93.
+DECODE_HEAD_SCREEN = True
+DECODE_SCREEN_ROWS = 2
 DECODE_PRODUCT_TRIGGERS = {768: {"qkv": "requested", "proj": "requested"}, 1600: {"qkv": "requested", "up": "waited"}}
 
 # dtype names -> (numpy dtype, torch dtype name)
@@ -484,6 +496,7 @@ class GPT2:
         if self.wte.shape != (config.vocab_size, C):
             raise ValueError(f"wte has shape {self.wte.shape}, expected {(config.vocab_size, C)}")
         self.lm_head_b = self.head_u = self.head_c = None  # [V] when ln_f is folded into the LM head
+        self.head_screen = None  # the LM head at 8 bits (K.quantize_rows) when ln_f is folded
         self.folded = self.dtype.itemsize == 2
         if self.folded:
             self._fold_layernorms()
@@ -508,6 +521,7 @@ class GPT2:
             self.lm_head, self.lm_head_b, self.head_u, self.head_c = K.fold_layernorm(self.lm_head, None, self.ln_f_w,
                                                                                       self.ln_f_b)
         self.ln_f_w, self.ln_f_b = ones, zeros
+        self.head_screen = K.quantize_rows(self.lm_head)  # (DECODE_HEAD_SCREEN)
 
     # ---------------------------------------------------------------------------------
     # construction
@@ -765,8 +779,10 @@ class GPT2:
             raise ValueError("the argmax embeds the next step's tokens in greedy steps with the rows' statistics "
                              "and positions only")
         if sampling is None:  # (the argmax's last launch moves the positions on)
+            screen = self.head_screen if (DECODE_HEAD_SCREEN and stats is not None
+                                          and buf.x.shape[0] <= min(DECODE_SCREEN_ROWS, SCREEN_MAX_ROWS)) else None
             K.linear_argmax(buf.x, self.lm_head, out=buf.tokens, advance=positions,
-                            embed=(self.wte, self.wpe, buf.x, stats) if embed else None, **ln)
+                            embed=(self.wte, self.wpe, buf.x, stats) if embed else None, screen=screen, **ln)
         else:
             K.linear(buf.x, self.lm_head, out_dtype=numpy.float32, out=buf.logits, **ln)
             K.sample(buf.logits, offset=buf.offsets, out=buf.tokens, **sampling)

@@ -582,15 +582,15 @@ template <int NT, int U, int XIN, int EPI, int MT> constexpr int mma_min_blocks(
         int *__restrict__ part_idx, T *__restrict__ k_cache, T *__restrict__ v_cache,                               \
         const int *__restrict__ positions, int *__restrict__ seq_lens, int H, int S_max, int B, int N, int K,       \
         int xs_stride, const float2 *stats_in, float2 *__restrict__ stats_out, const float *__restrict__ fold_u,   \
-        const float *__restrict__ fold_c, int pace_ps, int trigger
+        const float *__restrict__ fold_c, int pace_ps, int trigger, const int *__restrict__ tile_list
 #define LINEAR_MMA_ARGS                                                                                            \
     y, x, W, bias, ln_w, ln_b, eps, res, part_val, part_idx, k_cache, v_cache, positions, seq_lens, H, S_max, B, N, \
-        K, xs_stride, stats_in, stats_out, fold_u, fold_c, pace_ps, trigger
+        K, xs_stride, stats_in, stats_out, fold_u, fold_c, pace_ps, trigger, tile_list
 
 // The product. AHEAD: each warp requests its next batch of W before it multiplies this one
 // (W_AHEAD, or linear_mma_ahead_kernel).
 template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT, bool AHEAD>
-__device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
+__device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int tile, int n_tiles) {
     constexpr int COLS = 8 * NT;  // rows of x per block
     constexpr int TM = 16 * MT;   // rows of W per block
     static_assert(MT == 1 || EPI == STORE || EPI == ARGMAX, "several m-tiles: the LM head's epilogues");
@@ -616,7 +616,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
     if (trigger == TRIGGER_START) griddep_launch_dependents();
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.x * TM, b0 = blockIdx.y * COLS;  // the block's TM rows of W, COLS rows of x
+    const int m0 = tile * TM, b0 = blockIdx.y * COLS;  // the block's TM rows of W (tile of n_tiles), COLS rows of x
     const int n_chunks = (K + 31) / 32;
     const int my_chunks = warp < n_chunks ? (n_chunks - 1 - warp) / KW + 1 : 0;
     bool row_a[MT], row_b[MT];  // m-tile mt: rows m0 + 16 mt + g and + 8 of W
@@ -649,7 +649,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
     // w_prefetch_k_slices_epilogue-h200.log, "pf"): GPT-2 small float16 B = 1 208.3 / 228.1 /
     // 254.2 / 278.5 against 208.6 / 220.4 / 240.9 / 267.1, XL 1438.0 / 1514.1 / 1622.3 /
     // 1731.5 against 1390.1 / 1453.3 / 1557.3 / 1664.8.
-    // Paced (pace_ps > 0): a block of W's tile i (blockIdx.x) requests its weights i x pace_ps
+    // Paced (pace_ps > 0): a block of W's tile i requests its weights i x pace_ps
     // picoseconds after its start, so that a product launched early does not put all of its
     // weights in the memory's queues at once, ahead of the loads the kernels before it wait for
     // (the attention's rows, the next product's x). A load that hits in L2 waited 144 ns idle,
@@ -657,7 +657,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
     // requested at once (H100; benchmarks/results/memory_queue-h100.json). linear.py's pace=;
     // the decode step's choice is DECODE_PACE_GBPS in gpt2_cupy/model.py, with its measurements.
     if (pace_ps > 0) {
-        const unsigned long long until = global_ns() + static_cast<unsigned long long>(blockIdx.x) * pace_ps / 1000;
+        const unsigned long long until = global_ns() + static_cast<unsigned long long>(tile) * pace_ps / 1000;
         while (global_ns() < until) {}
     }
     load_w(wa, wb, 0);
@@ -835,7 +835,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
                 float q = __fmul_rn(d, d);
 #pragma unroll
                 for (int off = 8; off > 0; off >>= 1) q = __fadd_rn(q, __shfl_down_sync(0xffffffffu, q, off, 16));
-                if (active && r == 0) stats_out[static_cast<long long>(b) * gridDim.x + blockIdx.x] = make_float2(mu, q);
+                if (active && r == 0) stats_out[static_cast<long long>(b) * n_tiles + tile] = make_float2(mu, q);
             }
         } else if constexpr (EPI == QKV_CACHE) {
             const T v = from_float<T>(s + bn);
@@ -854,12 +854,12 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
             float v = -INFINITY;
             int idx = -1;
             for (int r = 0; r < TM && m0 + r < N; ++r) keep_max(v, idx, s_out[bl][r], m0 + r);
-            part_val[static_cast<long long>(b0 + bl) * gridDim.x + blockIdx.x] = v;
-            part_idx[static_cast<long long>(b0 + bl) * gridDim.x + blockIdx.x] = idx;
+            part_val[static_cast<long long>(b0 + bl) * n_tiles + tile] = v;
+            part_idx[static_cast<long long>(b0 + bl) * n_tiles + tile] = idx;
         }
     }
     if constexpr (EPI == QKV_CACHE) {
-        if (blockIdx.x == 0)
+        if (tile == 0)
             for (int i = threadIdx.x; i < nb; i += blockDim.x) seq_lens[b0 + i] = s_pos[i] + 1;
     }
 }
@@ -867,7 +867,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS) {
 template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT>
 __global__ void __launch_bounds__(mma_max_threads<MT>(), mma_min_blocks<NT, U, XIN, EPI, MT>())
     linear_mma_kernel(LINEAR_MMA_PARAMS) {
-    linear_mma<T, OutT, NT, U, XIN, EPI, MT, W_AHEAD<NT>()>(LINEAR_MMA_ARGS);
+    linear_mma<T, OutT, NT, U, XIN, EPI, MT, W_AHEAD<NT>()>(LINEAR_MMA_ARGS, blockIdx.x, gridDim.x);
 }
 
 // One n-tile (B <= 8) with W a batch ahead, for products of no more tiles than SMs and rows of
@@ -876,7 +876,24 @@ __global__ void __launch_bounds__(mma_max_threads<MT>(), mma_min_blocks<NT, U, X
 // measurements are beside the wrapper's _mma_ahead).
 template <typename T, typename OutT, int U, int EPI>
 __global__ void __launch_bounds__(MMA_NARROW_WARPS * 32, 1) linear_mma_ahead_kernel(LINEAR_MMA_PARAMS) {
-    linear_mma<T, OutT, 1, U, X_PLAIN, EPI, 1, true>(LINEAR_MMA_ARGS);
+    linear_mma<T, OutT, 1, U, X_PLAIN, EPI, 1, true>(LINEAR_MMA_ARGS, blockIdx.x, gridDim.x);
+}
+
+// The screened LM head's exact tiles (below: linear_q8_max_kernel): the argmax product on the
+// tiles of 16 rows of W listed in tile_list (tile_list[0] of them, then their indices), each block
+// taking entries blockIdx.x, + gridDim.x, ...; each tile's partials (largest value, its index)
+// land where linear_mma_kernel's block of that tile puts them, with its bits.
+template <typename T, typename OutT, int U>
+__global__ void __launch_bounds__(mma_max_threads<1>(), mma_min_blocks<1, U, X_LN_FOLD, ARGMAX, 1>())
+    linear_mma_list_kernel(LINEAR_MMA_PARAMS) {
+    static_assert(sizeof(OutT) == 4, "float logits (never written: the argmax)");
+    griddep_launch_dependents();
+    griddep_wait();  // the list: the kernel ahead's
+    const int count = tile_list[0], n_tiles = (N + 15) / 16;
+    for (int e = blockIdx.x; e < count; e += gridDim.x) {
+        __syncthreads();  // the tile before's epilogue has read the shared memory
+        linear_mma<T, OutT, 1, U, X_LN_FOLD, ARGMAX, 1, false>(LINEAR_MMA_ARGS, tile_list[1 + e], n_tiles);
+    }
 }
 
 // The LM head of 17 to 64 rows of x (float logits stored, or reduced to the argmax), with W
@@ -1117,4 +1134,249 @@ __global__ void ln_rows_kernel(T* out, const T* x, const T* __restrict__ ln_w, c
     const int b = blockIdx.x * (blockDim.x >> 5) + warp;
     T* stage = reinterpret_cast<T*>(smem4) + warp * K;
     if (b < B) ln_row(out + static_cast<long long>(b) * K, stage, x + static_cast<long long>(b) * K, ln_w, ln_b, eps, K, lane);
+}
+
+// =======================================================================================
+// The screened LM head: the exact greedy tokens of 1 to 8 rows of x (LayerNorm folded),
+// reading W at 8 bits a value for all but the few tiles of 16 rows that may hold a row's
+// largest value (cupy_kernels/linear.py, linear_argmax's screen=).
+//
+//   q[n, k] = round(W[n, k] / scale[n]),  scale[n] = max_k |W[n, k]| / 127   (quantize_rows;
+//             stored as q + 128 in a byte)
+//   A[b, n] = rstd_b (scale[n] (x_b . q[n]) - mean_b u[n]) + c[n]           (linear_q8_max_kernel)
+//
+// |x_b . W[n] - scale[n] (x_b . q[n])| <= |x_b|_1 scale[n] / 2, so the exact value E[b, n]
+// (linear_mma_kernel's ARGMAX epilogue, the bits it always gives) lies within e of A[b, n]:
+//   e = rstd_b scale[n] (|x_b|_1 (1/2 + K 2^-14) + K 2^-17) 17/16
+//       + 2^-20 (rstd_b (|s| + |mean_b u[n]|) + |c[n]| + |A|),
+// the terms in K bounding the float32 rounding of both sums (products of 16-bit values are
+// exact in float32; K terms of at most 127 |x| scale[n]) and bfloat16 x made float16, 1/16 the
+// rounding of the quantization and of |x_b|_1, the last term the rounding of the epilogue's
+// three operations on either side. linear_q8_max_kernel writes, per row b and tile of 16 rows,
+// hi = max (A + e) and lo = max (A - e): row b's largest E is at least M_b = max lo over the
+// tiles, and no row of a tile exceeds its hi. screen_tiles_kernel lists the tiles whose hi
+// reaches M_b for some row b (a NaN lists the tile, or every tile: rows of W that are not
+// finite, rows of x that are not or whose bfloat16 values leave float16's range take the
+// exact path), and linear_mma_list_kernel computes E on the listed tiles alone, with the bits
+// linear_mma_kernel gives them: their argmax, with its first index, is the argmax over all N
+// rows.
+//
+// linear_q8_max_kernel: blocks of KW warps walking tiles blockIdx.x, + gridDim.x, ..., each
+// tile's W (a warp's chunks of 32 columns: every KW-th, at most Q8_BATCH) requested before the
+// tile ahead is multiplied; x's rows (1 to 8, the 8 columns of mma.sync m16n8k16) loaded once a
+// block and kept in registers as float16 (W's bytes become float16 by a byte permute and one
+// subtraction, exact). Bytes: N K of W (half the product's) + 12 N of scale, u and c.
+// screen_tiles_kernel: one block over the bounds, 8 B N / 16 bytes. Where few tiles are listed
+// (1 to 3 of GPT-2's 3,142 in a diagnostic run's 512-token calls of random weights), the LM
+// head reads about half its bytes.
+namespace {
+constexpr int Q8_BATCH = 8;  // chunks of W a warp takes of each row (K <= 32 x 8 x KW: the wrapper)
+constexpr int SCREEN_THREADS = 1024;
+constexpr int SCREEN_MAX_ROWS = 8;
+
+// 8 bytes q + 128 as 8 float16 values q (1024 + byte, minus 1152: exact)
+__device__ __forceinline__ uint4 q8_to_half8(uint2 r) {
+    const __half2 off = __half2half2(__ushort_as_half(0x6480));  // 1152
+    uint4 h;
+    unsigned p[4] = {__byte_perm(r.x, 0x64646464u, 0x4140), __byte_perm(r.x, 0x64646464u, 0x4342),
+                     __byte_perm(r.y, 0x64646464u, 0x4140), __byte_perm(r.y, 0x64646464u, 0x4342)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&p[i]), off);
+        p[i] = *reinterpret_cast<const unsigned*>(&v);
+    }
+    h.x = p[0], h.y = p[1], h.z = p[2], h.w = p[3];
+    return h;
+}
+
+// 8 values of x as float16 (bfloat16: converted, inf past float16's range)
+template <typename T> __device__ __forceinline__ uint4 x_as_half8(uint4 r);
+template <> __device__ __forceinline__ uint4 x_as_half8<__half>(uint4 r) { return r; }
+template <> __device__ __forceinline__ uint4 x_as_half8<__nv_bfloat16>(uint4 r) {
+    const __nv_bfloat162* e = reinterpret_cast<const __nv_bfloat162*>(&r);
+    uint4 h;
+    unsigned* o = reinterpret_cast<unsigned*>(&h);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(e[i]);
+        const __half2 v = __floats2half2_rn(f.x, f.y);
+        o[i] = *reinterpret_cast<const unsigned*>(&v);
+    }
+    return h;
+}
+
+__device__ __forceinline__ float max_nan(float a, float b) { return a != a || b != b ? __int_as_float(0x7fc00000) : fmaxf(a, b); }
+
+__device__ __forceinline__ uint2 load_stream8(const void* p) {
+    uint2 r;
+    asm("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+}  // namespace
+
+template <typename T>
+__global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
+    linear_q8_max_kernel(float* __restrict__ hi, float* __restrict__ lo, const T* x,
+                         const unsigned char* __restrict__ Wq, const float* __restrict__ scale,
+                         const float* __restrict__ fold_u, const float* __restrict__ fold_c, const float2* stats_in,
+                         float eps, int B, int N, int K) {
+    constexpr int COLS = 8, TM = 16;
+    extern __shared__ float4 smem4[];
+    float* red = reinterpret_cast<float*>(smem4);     // [KW][COLS][RED_STRIDE] partial tiles
+    float2* sets = reinterpret_cast<float2*>(smem4);  // [COLS][n_sets], before red is written
+    __shared__ float s_scale[TM], s_u[TM], s_c[TM], s_mean[COLS], s_rstd[COLS], s_l1[COLS];
+    __shared__ float s_l1w[MMA_MAX_WARPS][COLS];
+    griddep_launch_dependents();
+    const int KW = blockDim.x >> 5, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int tiles = (N + TM - 1) / TM, nb = min(COLS, B), n_sets = (K + 15) / 16;
+    const int n_chunks = (K + 31) / 32;
+    const int my_chunks = warp < n_chunks ? (n_chunks - 1 - warp) / KW + 1 : 0;  // <= Q8_BATCH (the wrapper)
+    const float kf = static_cast<float>(K);
+
+    // tile i's W (all of a warp's chunks) and, in threads 0..15, its rows' scale, u and c
+    auto load_tile = [&](uint2 (&a)[Q8_BATCH], uint2 (&b)[Q8_BATCH], float (&rc)[3], int tile) {
+        const int m0 = tile * TM;
+        const bool row_a = tile < tiles && m0 + g < N, row_b = tile < tiles && m0 + g + 8 < N;
+        const unsigned char* wa_p = Wq + static_cast<long long>(row_a ? m0 + g : 0) * K + 8 * t;
+        const unsigned char* wb_p = Wq + static_cast<long long>(row_b ? m0 + g + 8 : 0) * K + 8 * t;
+#pragma unroll
+        for (int u = 0; u < Q8_BATCH; ++u) {
+            const int col = 32 * (warp + u * KW);
+            const bool ok = u < my_chunks && col + 8 * t < K;
+            a[u] = ok && row_a ? load_stream8(wa_p + col) : make_uint2(0x80808080u, 0x80808080u);
+            b[u] = ok && row_b ? load_stream8(wb_p + col) : make_uint2(0x80808080u, 0x80808080u);
+        }
+        const bool in = threadIdx.x < TM && tile < tiles && m0 + static_cast<int>(threadIdx.x) < N;
+        rc[0] = in ? scale[m0 + threadIdx.x] : 0.0f;
+        rc[1] = in ? fold_u[m0 + threadIdx.x] : 0.0f;
+        rc[2] = in ? fold_c[m0 + threadIdx.x] : 0.0f;
+    };
+    uint2 wa0[Q8_BATCH], wb0[Q8_BATCH], wa1[Q8_BATCH], wb1[Q8_BATCH];
+    float rc0[3], rc1[3];
+    load_tile(wa0, wb0, rc0, blockIdx.x);
+    griddep_wait();  // x and its statistics: the previous kernels' work
+    copy_row_sets(sets, stats_in, 0, nb, n_sets);
+    cp_async_commit();
+    uint4 xv[Q8_BATCH];  // the rows of x, for every tile of the block
+    float l1 = 0.0f;     // |x|_1 of row g over this lane's columns
+#pragma unroll
+    for (int u = 0; u < Q8_BATCH; ++u) {
+        const int col = 32 * (warp + u * KW) + 8 * t;
+        uint4 raw = make_uint4(0, 0, 0, 0);
+        if (u < my_chunks && g < nb && col < K) raw = *reinterpret_cast<const uint4*>(x + static_cast<long long>(g) * K + col);
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) l1 += fabsf(to_float(e[i]));
+        xv[u] = x_as_half8<T>(raw);
+    }
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    if (t == 0) s_l1w[warp][g] = l1;
+    cp_async_wait<0>();
+    __syncthreads();  // every thread's sets have landed
+    rows_mean_rstd(s_mean, s_rstd, sets, n_sets, nb, K, eps, warp, KW, lane);
+    if (threadIdx.x < COLS) {
+        float s = 0.0f;
+        for (int w = 0; w < KW; ++w) s += s_l1w[w][threadIdx.x];
+        s_l1[threadIdx.x] = s;
+    }
+    __syncthreads();  // the sets are read: their shared memory takes the partial tiles
+
+    auto process = [&](const uint2 (&a)[Q8_BATCH], const uint2 (&b)[Q8_BATCH], const float (&rc)[3], int tile) {
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int u = 0; u < Q8_BATCH; ++u) {
+            const uint4 ra = q8_to_half8(a[u]), rb = q8_to_half8(b[u]);
+            const unsigned a0[4] = {ra.x, rb.x, ra.y, rb.y};  // memory columns 8t .. 8t+3
+            const unsigned a1[4] = {ra.z, rb.z, ra.w, rb.w};  // 8t+4 .. 8t+7
+            mma_m16n8k16<__half>(acc, a0, xv[u].x, xv[u].y);
+            mma_m16n8k16<__half>(acc, a1, xv[u].z, xv[u].w);
+        }
+        __syncthreads();  // the tile before's epilogue has read red and the rows' values
+        float* mine = red + warp * COLS * RED_STRIDE;
+        mine[(2 * t) * RED_STRIDE + g] = acc[0];
+        mine[(2 * t + 1) * RED_STRIDE + g] = acc[1];
+        mine[(2 * t) * RED_STRIDE + g + 8] = acc[2];
+        mine[(2 * t + 1) * RED_STRIDE + g + 8] = acc[3];
+        if (threadIdx.x < TM) s_scale[threadIdx.x] = rc[0], s_u[threadIdx.x] = rc[1], s_c[threadIdx.x] = rc[2];
+        __syncthreads();
+        const int m0 = tile * TM;
+        for (int o0 = 0; o0 < TM * nb; o0 += blockDim.x) {  // thread o -> row o % TM of W, row o / TM of x
+            const int o = o0 + threadIdx.x, r = o % TM, bl = o / TM, n = m0 + r;
+            float h = -INFINITY, l = -INFINITY;
+            if (o < TM * nb && n < N) {
+                float s = 0.0f;
+                for (int w = 0; w < KW; ++w) s += red[w * COLS * RED_STRIDE + bl * RED_STRIDE + r];
+                const float sc = s_scale[r], rstd = s_rstd[bl];
+                s = __fmul_rn(s, sc);
+                const float v = __fadd_rn(unfold_ln(s, s_mean[bl], s_u[r], rstd), s_c[r]);
+                const float err = 0x1p-20f * (rstd * (fabsf(s) + fabsf(s_mean[bl] * s_u[r])) + fabsf(s_c[r]) + fabsf(v))
+                                  + rstd * sc * (s_l1[bl] * (0.5f + kf * 0x1p-14f) + kf * 0x1p-17f) * 1.0625f;
+                h = v + err, l = v - err;
+            }
+#pragma unroll
+            for (int off = 8; off > 0; off >>= 1) {  // the tile's 16 rows: NaN stays in hi
+                h = max_nan(h, __shfl_xor_sync(0xffffffffu, h, off, 16));
+                l = fmaxf(l, __shfl_xor_sync(0xffffffffu, l, off, 16));
+            }
+            if (o < TM * nb && r == 0) {
+                hi[static_cast<long long>(bl) * tiles + tile] = h;
+                lo[static_cast<long long>(bl) * tiles + tile] = l;
+            }
+        }
+    };
+    // tiles blockIdx.x, + gridDim.x, ...: each tile's W requested before the tile ahead is multiplied
+    for (int tile = blockIdx.x; tile < tiles; tile += 2 * gridDim.x) {
+        load_tile(wa1, wb1, rc1, tile + gridDim.x);
+        process(wa0, wb0, rc0, tile);
+        if (tile + gridDim.x >= tiles) break;
+        load_tile(wa0, wb0, rc0, tile + 2 * gridDim.x);
+        process(wa1, wb1, rc1, tile + gridDim.x);
+    }
+}
+
+// The tiles that may hold a row's largest value: those whose hi reaches max_t' lo[b][t'] for
+// some row b (a NaN marks the tile), listed in tile_list (tile_list[0] of them, then their
+// indices, in no particular order: each tile's partial has its place); every other tile's
+// partials become (-inf, -1), which the argmax's last kernel skips. One block of
+// SCREEN_THREADS; B <= SCREEN_MAX_ROWS.
+__global__ void __launch_bounds__(SCREEN_THREADS)
+    screen_tiles_kernel(int* __restrict__ tile_list, float* __restrict__ part_val, int* __restrict__ part_idx,
+                        const float* __restrict__ hi, const float* __restrict__ lo, int tiles, int B) {
+    __shared__ float s_m[SCREEN_THREADS / 32];
+    __shared__ float s_best[SCREEN_MAX_ROWS];
+    __shared__ int s_count;
+    griddep_launch_dependents();
+    griddep_wait();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (threadIdx.x == 0) s_count = 0;
+    for (int b = 0; b < B; ++b) {
+        float m = -INFINITY;
+        for (int i = threadIdx.x; i < tiles; i += SCREEN_THREADS) m = fmaxf(m, lo[static_cast<long long>(b) * tiles + i]);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        if (lane == 0) s_m[warp] = m;
+        __syncthreads();
+        if (warp == 0) {
+            m = lane < SCREEN_THREADS / 32 ? s_m[lane] : -INFINITY;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+            if (lane == 0) s_best[b] = m;
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < tiles; i += SCREEN_THREADS) {
+        bool on = false;
+        for (int b = 0; b < B; ++b) on = on || !(hi[static_cast<long long>(b) * tiles + i] < s_best[b]);
+        if (on) {
+            tile_list[1 + atomicAdd(&s_count, 1)] = i;
+        } else {
+            for (int b = 0; b < B; ++b) {
+                part_val[static_cast<long long>(b) * tiles + i] = -INFINITY;
+                part_idx[static_cast<long long>(b) * tiles + i] = -1;
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) tile_list[0] = s_count;
 }

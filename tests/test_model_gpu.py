@@ -399,6 +399,7 @@ def test_decode_step_profile_reads_every_product(small, dtype):
     """benchmarks/decode_step.py names each launch of a recorded decode step (paced, at batch 1,
     and not, at 9) and reads each product's shape from its arguments: four products a block with
     GPT-2's weight shapes, then the LM head."""
+    import gpt2_cupy.model as M
     from benchmarks.decode_step import launch_roles
     from gpt2_cupy.engine import Session
 
@@ -411,9 +412,14 @@ def test_decode_step_profile_reads_every_product(small, dtype):
         roles = launch_roles(model, session.step, batch, 64)
         products = [(role, nbytes) for role, nbytes in roles if role in shapes]
         assert [role for role, _ in products] == ["qkv", "attn_proj", "fc", "mlp_proj"] * model.config.n_layer + ["lm_head"]
+        screened = model.folded and M.DECODE_HEAD_SCREEN and batch <= M.DECODE_SCREEN_ROWS
         for role, nbytes in products:
             N, Kd = shapes[role]
-            assert nbytes == (N * Kd + batch * (N + Kd)) * s, role
+            if role == "lm_head" and screened:  # its weight at 8 bits, with scale, u and c (and a few exact tiles)
+                assert nbytes == N * Kd + 12 * N + batch * Kd * s
+                assert [r for r, _ in roles if r.startswith("lm_head_")] == ["lm_head_screen", "lm_head_tiles"]
+            else:
+                assert nbytes == (N * Kd + batch * (N + Kd)) * s, role
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
