@@ -2,8 +2,10 @@
 // products and the LM head, with the neighbouring element-wise work fused in. Two kernels:
 // linear_kernel on CUDA cores (float32, and 16-bit rows that are not 16-byte vectors), and
 // linear_mma_kernel on tensor cores (float16 / bfloat16), after the first; same epilogues.
-// Beside the second, two variants with its bits: linear_mma_ahead_kernel (W a batch ahead)
-// and linear_mma_stream_kernel (the LM head of 17 to 64 rows, W through shared memory).
+// Beside the second, three variants with its bits: linear_mma_ahead_kernel (W a batch ahead),
+// linear_mma_stream_kernel (the LM head of 17 to 64 rows, W through shared memory) and
+// linear_mma_list_kernel (the listed tiles of a screened LM head, whose 8-bit pass and list,
+// linear_q8_max_kernel and screen_tiles_kernel, close this file).
 //
 //   xn        = LN ? layernorm(x; ln_w, ln_b, eps) rounded to T : x          (prologue; on tensor
 //               cores also folded: W = W0 diag(ln_w), the rows' mean / rstd from the row
@@ -48,9 +50,10 @@
 // T in {__half, __nv_bfloat16} x OutT x NT n-tiles x U x XIN x EPI x MT m-tiles (2: float
 // logits at NT = 8); linear_mma_ahead_kernel: T x U x EPI (store, GELU, residual);
 // linear_mma_stream_kernel: T x XIN (plain, folded) x EPI (store, argmax), float logits;
+// linear_mma_list_kernel: T x U (folded, argmax); linear_q8_max_kernel: T; screen_tiles_kernel;
 // ln_rows_kernel: T (cupy_kernels/linear.py, where each launch shape is chosen, with the
 // measurements behind it).
-// Wrapper: cupy_kernels/linear.py   Tests: tests/test_kernels_gpu.py
+// Wrapper: cupy_kernels/linear.py   Tests: tests/test_kernels_gpu.py, tests/test_head_screen_gpu.py
 // Benchmark: benchmarks/decode_step.py (every GPT-2 weight shape, each tile)
 #include "common.cuh"
 #include "mma.cuh"
@@ -589,8 +592,12 @@ template <int NT, int U, int XIN, int EPI, int MT> constexpr int mma_min_blocks(
 
 // The product. AHEAD: each warp requests its next batch of W before it multiplies this one
 // (W_AHEAD, or linear_mma_ahead_kernel).
-template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT, bool AHEAD>
-__device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int tile, int n_tiles) {
+template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT, bool AHEAD, bool LISTED = false>
+__device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int listed_tile = 0) {
+    // the block's tile of rows of W, of how many: blockIdx.x of gridDim.x, or (LISTED,
+    // linear_mma_list_kernel) listed_tile of all N's (read where used: a register less)
+#define MMA_TILE (LISTED ? listed_tile : static_cast<int>(blockIdx.x))
+#define MMA_N_TILES (LISTED ? (N + TM - 1) / TM : static_cast<int>(gridDim.x))
     constexpr int COLS = 8 * NT;  // rows of x per block
     constexpr int TM = 16 * MT;   // rows of W per block
     static_assert(MT == 1 || EPI == STORE || EPI == ARGMAX, "several m-tiles: the LM head's epilogues");
@@ -616,7 +623,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int tile, int n_ti
     if (trigger == TRIGGER_START) griddep_launch_dependents();
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int m0 = tile * TM, b0 = blockIdx.y * COLS;  // the block's TM rows of W (tile of n_tiles), COLS rows of x
+    const int m0 = MMA_TILE * TM, b0 = blockIdx.y * COLS;  // the block's TM rows of W, COLS rows of x
     const int n_chunks = (K + 31) / 32;
     const int my_chunks = warp < n_chunks ? (n_chunks - 1 - warp) / KW + 1 : 0;
     bool row_a[MT], row_b[MT];  // m-tile mt: rows m0 + 16 mt + g and + 8 of W
@@ -657,7 +664,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int tile, int n_ti
     // requested at once (H100; benchmarks/results/memory_queue-h100.json). linear.py's pace=;
     // the decode step's choice is DECODE_PACE_GBPS in gpt2_cupy/model.py, with its measurements.
     if (pace_ps > 0) {
-        const unsigned long long until = global_ns() + static_cast<unsigned long long>(tile) * pace_ps / 1000;
+        const unsigned long long until = global_ns() + static_cast<unsigned long long>(MMA_TILE) * pace_ps / 1000;
         while (global_ns() < until) {}
     }
     load_w(wa, wb, 0);
@@ -835,7 +842,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int tile, int n_ti
                 float q = __fmul_rn(d, d);
 #pragma unroll
                 for (int off = 8; off > 0; off >>= 1) q = __fadd_rn(q, __shfl_down_sync(0xffffffffu, q, off, 16));
-                if (active && r == 0) stats_out[static_cast<long long>(b) * n_tiles + tile] = make_float2(mu, q);
+                if (active && r == 0) stats_out[static_cast<long long>(b) * MMA_N_TILES + MMA_TILE] = make_float2(mu, q);
             }
         } else if constexpr (EPI == QKV_CACHE) {
             const T v = from_float<T>(s + bn);
@@ -854,20 +861,23 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int tile, int n_ti
             float v = -INFINITY;
             int idx = -1;
             for (int r = 0; r < TM && m0 + r < N; ++r) keep_max(v, idx, s_out[bl][r], m0 + r);
-            part_val[static_cast<long long>(b0 + bl) * n_tiles + tile] = v;
-            part_idx[static_cast<long long>(b0 + bl) * n_tiles + tile] = idx;
+            part_val[static_cast<long long>(b0 + bl) * MMA_N_TILES + MMA_TILE] = v;
+            part_idx[static_cast<long long>(b0 + bl) * MMA_N_TILES + MMA_TILE] = idx;
         }
     }
     if constexpr (EPI == QKV_CACHE) {
-        if (tile == 0)
+        if (MMA_TILE == 0)
             for (int i = threadIdx.x; i < nb; i += blockDim.x) seq_lens[b0 + i] = s_pos[i] + 1;
     }
 }
 
+#undef MMA_TILE
+#undef MMA_N_TILES
+
 template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT>
 __global__ void __launch_bounds__(mma_max_threads<MT>(), mma_min_blocks<NT, U, XIN, EPI, MT>())
     linear_mma_kernel(LINEAR_MMA_PARAMS) {
-    linear_mma<T, OutT, NT, U, XIN, EPI, MT, W_AHEAD<NT>()>(LINEAR_MMA_ARGS, blockIdx.x, gridDim.x);
+    linear_mma<T, OutT, NT, U, XIN, EPI, MT, W_AHEAD<NT>()>(LINEAR_MMA_ARGS);
 }
 
 // One n-tile (B <= 8) with W a batch ahead, for products of no more tiles than SMs and rows of
@@ -876,7 +886,7 @@ __global__ void __launch_bounds__(mma_max_threads<MT>(), mma_min_blocks<NT, U, X
 // measurements are beside the wrapper's _mma_ahead).
 template <typename T, typename OutT, int U, int EPI>
 __global__ void __launch_bounds__(MMA_NARROW_WARPS * 32, 1) linear_mma_ahead_kernel(LINEAR_MMA_PARAMS) {
-    linear_mma<T, OutT, 1, U, X_PLAIN, EPI, 1, true>(LINEAR_MMA_ARGS, blockIdx.x, gridDim.x);
+    linear_mma<T, OutT, 1, U, X_PLAIN, EPI, 1, true>(LINEAR_MMA_ARGS);
 }
 
 // The screened LM head's exact tiles (below: linear_q8_max_kernel): the argmax product on the
@@ -889,10 +899,10 @@ __global__ void __launch_bounds__(mma_max_threads<1>(), mma_min_blocks<1, U, X_L
     static_assert(sizeof(OutT) == 4, "float logits (never written: the argmax)");
     griddep_launch_dependents();
     griddep_wait();  // the list: the kernel ahead's
-    const int count = tile_list[0], n_tiles = (N + 15) / 16;
+    const int count = tile_list[0];
     for (int e = blockIdx.x; e < count; e += gridDim.x) {
         __syncthreads();  // the tile before's epilogue has read the shared memory
-        linear_mma<T, OutT, 1, U, X_LN_FOLD, ARGMAX, 1, false>(LINEAR_MMA_ARGS, tile_list[1 + e], n_tiles);
+        linear_mma<T, OutT, 1, U, X_LN_FOLD, ARGMAX, 1, false, true>(LINEAR_MMA_ARGS, tile_list[1 + e]);
     }
 }
 
