@@ -593,7 +593,7 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
             kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, xin, epi, mt))
         blocks, grid_y, threads = _build.cdiv(N, 16 * mt), _build.cdiv(B, 8 * nt), 32 * kw
     _build.set_smem(kern, smem)
-    if part is not None and not isinstance(part, tuple):
+    if callable(part):
         part = part(blocks)
     null = 0
     ln_args = ln if fold is None else (null, null, fold[3])  # (ln_fold's eps where ln's goes)

@@ -1217,11 +1217,6 @@ template <> __device__ __forceinline__ uint4 x_as_half8<__nv_bfloat16>(uint4 r) 
 
 __device__ __forceinline__ float max_nan(float a, float b) { return a != a || b != b ? __int_as_float(0x7fc00000) : fmaxf(a, b); }
 
-__device__ __forceinline__ uint2 load_stream8(const void* p) {
-    uint2 r;
-    asm("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p));
-    return r;
-}
 }  // namespace
 
 template <typename T>
@@ -1353,28 +1348,19 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
 __global__ void __launch_bounds__(SCREEN_THREADS)
     screen_tiles_kernel(int* __restrict__ tile_list, float* __restrict__ part_val, int* __restrict__ part_idx,
                         const float* __restrict__ hi, const float* __restrict__ lo, int tiles, int B) {
-    __shared__ float s_m[SCREEN_THREADS / 32];
+    __shared__ float s_scratch[32];
     __shared__ float s_best[SCREEN_MAX_ROWS];
     __shared__ int s_count;
     griddep_launch_dependents();
     griddep_wait();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (threadIdx.x == 0) s_count = 0;
     for (int b = 0; b < B; ++b) {
         float m = -INFINITY;
         for (int i = threadIdx.x; i < tiles; i += SCREEN_THREADS) m = fmaxf(m, lo[static_cast<long long>(b) * tiles + i]);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-        if (lane == 0) s_m[warp] = m;
-        __syncthreads();
-        if (warp == 0) {
-            m = lane < SCREEN_THREADS / 32 ? s_m[lane] : -INFINITY;
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-            if (lane == 0) s_best[b] = m;
-        }
-        __syncthreads();
+        m = block_max(m, s_scratch);
+        if (threadIdx.x == 0) s_best[b] = m;
     }
+    __syncthreads();
     for (int i = threadIdx.x; i < tiles; i += SCREEN_THREADS) {
         bool on = false;
         for (int b = 0; b < B; ++b) on = on || !(hi[static_cast<long long>(b) * tiles + i] < s_best[b]);
