@@ -199,6 +199,23 @@ def decode_weight_bytes(model) -> int:
     return sum(a.nbytes for a in arrays if a is not None)
 
 
+def random_model(size: str, dtype: str = "float16"):
+    """A gpt2_cupy.GPT2 of ``size`` in ``dtype`` with transformers' random weights of seed 0
+    (the benchmarks' model: no download)."""
+    import torch
+    import transformers
+
+    from gpt2_cupy import GPT2, SIZES
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = transformers.GPT2LMHeadModel(SIZES[size].to_hf())
+    model = GPT2.from_hf(hf, dtype)
+    del hf
+    torch.cuda.empty_cache()
+    return model
+
+
 def copy_ceiling_GBps(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second / 1e9."""
     src = cupy.ones(nbytes // 4, dtype=cupy.float32)

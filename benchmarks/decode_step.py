@@ -30,7 +30,12 @@
    runs at fixed positions on whatever data the buffers hold.
 
 Writes benchmarks/results/decode_step-<device>.json and decode_step-<device>.png
-(``--replot FILE`` redraws the picture from a results file, without a GPU).
+(``--replot FILE`` redraws the picture from a results file, without a GPU). The whole run
+takes longer than some machines lend at once: ``--out NAME`` writes a part of it (say
+``--skip-profile``, or some ``--steps``) to NAME-<device>.json, and ``--merge PART ...``
+writes decode_step-<device>.json and its picture from the parts' rows, as they are, each row
+with its part's copy bandwidth (``copy_GBps``) and the parts' files, dates and versions in
+``parts``.
 ``--chain``: only a chain of 63 dependent kernels with nothing to read (GPT-2 small's step
 has 63), each empty or handing a row of 768 floats to the next through L2, in a CUDA graph
 with and without programmatic dependent launch, and the same hand-offs as phases of one
@@ -47,9 +52,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
+import json
 import re
 import statistics
 import time
+from pathlib import Path
 
 import cupy as cp
 import numpy as np
@@ -409,11 +416,17 @@ def profile_step(model, batch: int, ceiling: float, replays: int, pdl_ok: bool) 
     return rows_out, summary
 
 
-def wall_per_token(model, batch: int, new: int = 512) -> float:
+def wall_per_token(model, batch: int, new: int = 512, calls: int = 3) -> float:
+    """Wall time a token of a ``new``-token generate call: the best of ``calls`` calls after
+    one of the same length. (After an 8-token warm-up instead, whose session is another
+    bucket's, the first two 512-token calls of GPT-2 small float16 took 242.7 and 188.6 us a
+    token and the next ones 179.9, GPT-2 large 1251.5, 964.7 and 928.5 (H100,
+    results/wall_calls-h100.log): the first makes the session and runs the prefill launch by
+    launch, the second captures the prefill's graph, PREFILL_GRAPH in gpt2_cupy/model.py.)"""
     prompts = [PROMPT] * batch if batch > 1 else PROMPT
-    model.generate(prompts, 8)
+    model.generate(prompts, new)
     best = 1e30
-    for _ in range(2):
+    for _ in range(calls):
         cp.cuda.runtime.deviceSynchronize()
         t0 = time.perf_counter()
         model.generate(prompts, new)
@@ -573,6 +586,38 @@ def plot(rows, summaries, device: str | None = None):
     return save_figure(fig, "decode_step", device)
 
 
+def _profile_rows(rows) -> tuple[list[dict], list[dict]]:
+    """(per-kernel rows, per-step summaries) of a results file's rows: what plot draws."""
+    return ([r for r in rows if r.get("bench") == "decode_step_kernel"],
+            [r for r in rows if r.get("bench") == "decode_step"])
+
+
+def merge(parts) -> Path:
+    """decode_step-<device>.json from the results files of parts of one run's work (``--out``):
+    their rows as they are, in the order given, each with its part's copy bandwidth; the
+    parts' files, dates, versions and ceilings in ``parts``. The parts must come from one
+    device, and no step (model, dtype, batch) nor product shape may be in two of them."""
+    docs = [(Path(f), json.loads(Path(f).read_text())) for f in parts]
+    devices = {doc["device"] for _, doc in docs}
+    if len(devices) != 1:
+        raise ValueError(f"the parts come from several devices: {sorted(devices)}")
+    rows, seen = [], {}
+    for f, doc in docs:
+        copy = doc["ceilings"]["copy_GBps"]
+        for r in doc["rows"]:
+            if r.get("bench") in ("decode_step", "gemv", "launch"):
+                key = tuple(r.get(k) for k in ("bench", "model", "dtype", "batch", "role", "impl", "timing", "pdl",
+                                               "tile", "warps", "ahead"))
+                if key in seen and seen[key] != f.name:
+                    raise ValueError(f"{f.name} and {seen[key]} both hold {key}")
+                seen[key] = f.name
+            rows.append({**r, "copy_GBps": copy})
+    copies = [doc["ceilings"]["copy_GBps"] for _, doc in docs]
+    return write_results("decode_step", rows, {"copy_GBps_min": min(copies), "copy_GBps_max": max(copies)},
+                         parts=[{"file": f.name, "date": doc["date"], "versions": doc["versions"],
+                                 "ceilings": doc["ceilings"]} for f, doc in docs])
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="GPT-2 small only, fewer cases")
@@ -589,17 +634,23 @@ def main():
     p.add_argument("--chain", action="store_true",
                    help="only the chain of empty / row hand-off kernels (decode_step_chain-<device>.json)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the picture from a results file")
+    p.add_argument("--out", default="decode_step", metavar="NAME",
+                   help="results file NAME-<device>.json (default decode_step); a part of the run for --merge")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="only write decode_step-<device>.json and its picture from the parts' results files")
     p.add_argument("--carveout-sweep", nargs="*", metavar="SIZE:DTYPE:BATCH",
                    help="only the step with every kernel's split of L1 and shared memory set alike, at several "
                         "splits (into decode_step_carveout-<device>.json)")
     args = p.parse_args()
     if args.replot:
-        import json
-
         rows = json.loads(open(args.replot).read())["rows"]
         device = re.sub(r"^decode_step-|\.json$", "", args.replot.rsplit("/", 1)[-1])
-        print(plot([r for r in rows if r.get("bench") == "decode_step_kernel"],
-                   [r for r in rows if r.get("bench") == "decode_step"], device))
+        print(plot(*_profile_rows(rows), device))
+        return
+    if args.merge:
+        path = merge(args.merge)
+        print(f"wrote {path}")
+        print(f"wrote {plot(*_profile_rows(json.loads(path.read_text())['rows']))}")
         return
     print(banner())
     ceiling = copy_ceiling_GBps()
@@ -630,9 +681,9 @@ def main():
                      for dtype in DTYPES for b in (1, 8)]
         step_rows, summaries = bench_steps(cases, ceiling, args.replays, pdl_ok)
         rows += step_rows
-    path = write_results("decode_step", rows + summaries, {"copy_GBps": round(ceiling, 1)})
+    path = write_results(args.out, rows + summaries, {"copy_GBps": round(ceiling, 1)})
     print(f"wrote {path}")
-    if summaries:
+    if summaries and args.out == "decode_step":
         print(f"wrote {plot([r for r in rows if r['bench'] == 'decode_step_kernel'], summaries)}")
 
 

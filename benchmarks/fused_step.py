@@ -17,9 +17,8 @@ import statistics
 
 import cupy as cp
 import numpy as np
-import torch
 
-from benchmarks.common import banner, copy_ceiling_GBps, decode_weight_bytes, write_results
+from benchmarks.common import banner, copy_ceiling_GBps, decode_weight_bytes, random_model, write_results
 
 
 def step_us(model, fused: bool, length: int, replays: int = 50) -> tuple[float, int]:
@@ -123,10 +122,6 @@ def ring_use(st: np.ndarray, slots: int) -> dict:
 
 
 def main():
-    import transformers
-
-    from gpt2_cupy import GPT2, SIZES
-
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", nargs="+", default=["gpt2", "gpt2-xl"])
     p.add_argument("--trace", action="store_true", help="also the fused step's timeline per phase")
@@ -135,11 +130,7 @@ def main():
     ceiling = copy_ceiling_GBps()
     rows = []
     for size in args.sizes:
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            hf = transformers.GPT2LMHeadModel(SIZES[size].to_hf())
-        model = GPT2.from_hf(hf, "float16")
-        del hf
+        model = random_model(size)
         floor = decode_weight_bytes(model) / ceiling / 1e3
         for fused in (False, True):
             for length in (264, 520):

@@ -25,8 +25,8 @@ import statistics
 import cupy as cp
 import numpy as np
 
-from benchmarks.common import banner, best_host_seconds, gpu_seconds_behind_wait, write_results
-from benchmarks.step_variants import _owner, parse_command_line, random_model
+from benchmarks.common import banner, best_host_seconds, gpu_seconds_behind_wait, random_model, write_results
+from benchmarks.step_variants import _owner, parse_command_line
 
 ROUNDS = 3
 REPEATS = 20

@@ -34,7 +34,7 @@ import time
 import cupy as cp
 import numpy as np
 
-from benchmarks.common import banner, write_results
+from benchmarks.common import banner, random_model, write_results
 from benchmarks.decode_step import PROMPT
 
 ROUNDS = 4
@@ -116,22 +116,6 @@ def _sweep_us(session) -> float:
             times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / NEW)
     session._next_slot = -1  # (the replays moved the read-back slot on: the next call sets it again)
     return statistics.median(times)
-
-
-def random_model(size: str, dtype: str):
-    """GPT2 of ``size`` in ``dtype`` with transformers' random weights of seed 0."""
-    import torch
-    import transformers
-
-    from gpt2_cupy import GPT2, SIZES
-
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = transformers.GPT2LMHeadModel(SIZES[size].to_hf())
-    model = GPT2.from_hf(hf, dtype)
-    del hf
-    torch.cuda.empty_cache()
-    return model
 
 
 def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]) -> list[dict]:
