@@ -30,8 +30,8 @@
    runs at fixed positions on whatever data the buffers hold.
 
 Writes benchmarks/results/decode_step-<device>.json and decode_step-<device>.png
-(``--replot FILE`` redraws the picture from a results file, without a GPU). The whole run
-takes longer than some machines lend at once: ``--out NAME`` writes a part of it (say
+(``--replot FILE`` redraws the picture from a results file, without a GPU). The run can be
+split over several calls of a machine: ``--out NAME`` writes a part of it (say
 ``--skip-profile``, or some ``--steps``) to NAME-<device>.json, and ``--merge PART ...``
 writes decode_step-<device>.json and its picture from the parts' rows, as they are, each row
 with its part's copy bandwidth (``copy_GBps``) and the parts' files, dates and versions in

@@ -55,20 +55,19 @@ def main():
         model.generate(D.PROMPT, 8)
         calls(model, f"{size} fresh, after warm 8", pause=args.pause)
         calls(model, f"{size} again", pause=args.pause)
-        if args.pause:
-            continue
-        gc.disable()
-        calls(model, f"{size} gc off")
-        gc.enable()
-        print("gpu/token", D.traced_per_token(model, 1), flush=True)
-        calls(model, f"{size} after one trace")
-        D.profile_step(model, 1, copy_ceiling_GBps(), 20, _build.pdl_supported())
-        calls(model, f"{size} after profile_step")
-        gc.collect()
-        calls(model, f"{size} after gc.collect")
-        gc.disable()
-        calls(model, f"{size} after profile, gc off")
-        gc.enable()
+        if not args.pause:
+            gc.disable()
+            calls(model, f"{size} gc off")
+            gc.enable()
+            print("gpu/token", D.traced_per_token(model, 1), flush=True)
+            calls(model, f"{size} after one trace")
+            D.profile_step(model, 1, copy_ceiling_GBps(), 20, _build.pdl_supported())
+            calls(model, f"{size} after profile_step")
+            gc.collect()
+            calls(model, f"{size} after gc.collect")
+            gc.disable()
+            calls(model, f"{size} after profile, gc off")
+            gc.enable()
         del model
         cp.get_default_memory_pool().free_all_blocks()
 
