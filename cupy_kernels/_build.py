@@ -338,7 +338,8 @@ def compile_for_arch(source: str, arch: str) -> dict[str, dict]:
     """Compile every declared specialization of ``source`` for ``arch`` without a GPU.
 
     Returns, per name expression, its lowered (mangled) name and ptxas's resource report:
-    ``registers``, ``stack`` (stack frame bytes) and ``spills`` (spill store bytes).
+    ``registers``, ``stack`` (stack frame bytes) and ``spills`` (spill store bytes, with those of
+    the functions it calls).
     Raises RuntimeError with the NVRTC log on failure.
     """
     from cupy.cuda import nvrtc
@@ -355,18 +356,31 @@ def compile_for_arch(source: str, arch: str) -> dict[str, dict]:
         if not nvrtc.getCUBIN(prog):
             raise RuntimeError(f"{source} for {arch}: NVRTC produced no cubin")
         by_lowered = {nvrtc.getLoweredName(prog, name): name for name in names}
-        report = {name: {"lowered": lowered} for lowered, name in by_lowered.items()}
-        current = None
-        for line in nvrtc.getProgramLog(prog).splitlines():
-            if m := re.search(r"Compiling entry function '(\S+)'", line):
-                current = report.get(by_lowered.get(m.group(1)))
-            elif current is not None and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", line)):
-                current["stack"], current["spills"] = int(m.group(1)), int(m.group(2))
-            elif current is not None and (m := re.search(r"Used (\d+) registers", line)):
-                current["registers"] = int(m.group(1))
-        return report
+        return ptxas_report(nvrtc.getProgramLog(prog), by_lowered)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def ptxas_report(log: str, by_lowered: dict[str, str]) -> dict[str, dict]:
+    """Per name expression (``by_lowered``: lowered name -> name), from ptxas's ``-v`` log:
+    ``lowered``, ``registers``, ``stack`` (the entry's stack frame bytes) and ``spills`` (spill
+    store bytes of the entry and of the functions it calls, which the log lists under it)."""
+    report = {name: {"lowered": lowered} for lowered, name in by_lowered.items()}
+    current = entry = own = None  # (own: the lines read now are the entry's, not a function it calls)
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\S+)'", line):
+            current, entry = report.get(by_lowered.get(m.group(1))), m.group(1)
+            if current is not None:
+                current["stack"] = current["spills"] = 0
+        elif m := re.search(r"Function properties for (\S+)", line):
+            own = m.group(1) == entry
+        elif current is not None and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", line)):
+            if own:
+                current["stack"] = int(m.group(1))
+            current["spills"] += int(m.group(2))
+        elif current is not None and (m := re.search(r"Used (\d+) registers", line)):
+            current["registers"] = int(m.group(1))
+    return report
 
 
 # ---------------------------------------------------------------------------------------

@@ -28,10 +28,22 @@ def test_every_kernel_file_declares_specializations():
             assert wanted <= first_args, (source, wanted - first_args)
 
 
-# Sources whose kernels still use local memory, knowingly: before sm_90 the fused decode
-# step's ptxas spills 8 bytes at 168 registers (its producer copies by cp.async there; none
-# on sm_90). Checked to compile, not to be free of local memory.
-LOCAL_MEMORY_KNOWN = {"decode_step.cu"}
+# Kernels that use local memory, knowingly, and the most bytes (stack frame or spill stores)
+# each may use. The fused decode step (off by default, gpt2_cupy/model.py's fused_step), at 168
+# registers with the functions it calls: 236 bytes of spill stores and a 192-byte frame on
+# sm_90, 256 and 176 before it. decode_attention's kernels of a quantized cache (int8 / fp8 rows,
+# one head a block of 128 threads), and on sm_80 those of 4 trips ahead in 512 threads: 8-24
+# bytes at 96 and 128 registers, a value stored before the kernel's wait and read after its
+# loop (the sm_90 SASS of decode_attention_kernel<__half, signed char, 64, 1, 128, 1>); once a
+# block, outside the loop. (ptxas_report counts the spills of the functions a kernel calls, and
+# no longer takes a later function's line for the kernel's own: these were not seen before.)
+def local_memory_allowed(source: str, name: str, arch: str) -> int:
+    if source == "decode_step.cu":
+        return 256
+    if source == "decode_attention.cu" and (", signed char," in name or ", __nv_fp8_e4m3," in name
+                                            or (arch == "sm_80" and name.endswith(", 4, 512, 1>"))):
+        return 24
+    return 0
 
 
 @pytest.mark.parametrize("arch", _build.ARCHS)
@@ -42,8 +54,28 @@ def test_compiles_for_arch_without_spills(source, arch):
     assert all(r["lowered"].startswith("_Z") or "kernel" in r["lowered"] for r in report.values())
     # ptxas's resource report: no local memory (spills, or register arrays indexed at run time)
     assert all("registers" in r and "spills" in r for r in report.values()), report
-    local = {name: (r["stack"], r["spills"], r["registers"]) for name, r in report.items() if r["stack"] or r["spills"]}
-    assert source in LOCAL_MEMORY_KNOWN or not local, f"stack bytes, spill bytes, registers: {local}"
+    local = {name: (r["stack"], r["spills"], r["registers"]) for name, r in report.items()
+             if max(r["stack"], r["spills"]) > local_memory_allowed(source, name, arch)}
+    assert not local, f"stack bytes, spill bytes, registers: {local}"
+
+
+def test_ptxas_report_counts_the_spills_of_called_functions():
+    """A kernel's spills include those of the functions listed under it in the log, and a later
+    function's line does not replace the kernel's own stack frame."""
+    log = """ptxas info    : Compiling entry function '_Z4mainPf' for 'sm_90'
+ptxas info    : Function properties for _Z4mainPf
+ptxas         .     64 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 64 bytes cumulative stack size, 880 bytes smem
+ptxas info    : Function properties for _Z6calleev
+ptxas         .     0 bytes stack frame, 12 bytes spill stores, 12 bytes spill loads
+ptxas info    : Compiling entry function '_Z5cleanPf' for 'sm_90'
+ptxas info    : Function properties for _Z5cleanPf
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 880 bytes smem
+"""
+    report = _build.ptxas_report(log, {"_Z4mainPf": "main", "_Z5cleanPf": "clean"})
+    assert report["main"] == {"lowered": "_Z4mainPf", "stack": 64, "spills": 20, "registers": 128}
+    assert report["clean"] == {"lowered": "_Z5cleanPf", "stack": 0, "spills": 0, "registers": 40}
 
 
 def test_bfloat16_is_in_the_dtype_table():
