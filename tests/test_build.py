@@ -33,10 +33,11 @@ def test_every_kernel_file_declares_specializations():
 # registers with the functions it calls: 236 bytes of spill stores and a 192-byte frame on
 # sm_90, 256 and 176 before it. decode_attention's kernels of a quantized cache (int8 / fp8 rows,
 # one head a block of 128 threads), and on sm_80 those of 4 trips ahead in 512 threads: 8-24
-# bytes at 96 and 128 registers, a value stored before the kernel's wait and read after its
-# loop (the sm_90 SASS of decode_attention_kernel<__half, signed char, 64, 1, 128, 1>); once a
-# block, outside the loop. (ptxas_report counts the spills of the functions a kernel calls, and
-# no longer takes a later function's line for the kernel's own: these were not seen before.)
+# bytes at 96 and 128 registers; in the one read as SASS (sm_90,
+# decode_attention_kernel<__half, signed char, 64, 1, 128, 1>), a value stored before the
+# kernel's wait and read after its loop, once a block. (ptxas_report counts the spills of the
+# functions a kernel calls, and no longer takes a later function's line for the kernel's own:
+# these were not seen before.)
 def local_memory_allowed(source: str, name: str, arch: str) -> int:
     if source == "decode_step.cu":
         return 256
