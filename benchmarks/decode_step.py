@@ -308,12 +308,10 @@ def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, in
             li += role != "lm_head"
             roles.append((role, N * Kd * s + batch * (N + Kd) * s))
         elif name == "linear_q8_max_kernel":  # the screened LM head's 8-bit pass (linear_argmax's screen)
-            N, Kd = int(launch.args[-2]), int(launch.args[-1])
+            N, Kd = int(launch.args[-3]), int(launch.args[-2])
             roles.append(("lm_head", N * Kd + 12 * N + batch * Kd * s))
-        elif name == "screen_tiles_kernel":
-            roles.append(("lm_head_screen", 8 * batch * int(launch.args[-2])))
-        elif name == "linear_mma_list_kernel":  # its exact tiles: a few, known only on the GPU
-            roles.append(("lm_head_tiles", 0))
+        elif name == "linear_mma_list_kernel":  # its exact tiles (a few, known only on the GPU) and the bounds
+            roles.append(("lm_head_tiles", 4 * batch * -(-int(launch.args[linear_mod.ARG_N]) // 16)))
         elif name in ("decode_attention_kernel", "fixed_attention_kernel"):
             roles.append(("attention", 2 * batch * H * cache_rows * D * s))
         elif name == "decode_attention_merge_kernel":

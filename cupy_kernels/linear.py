@@ -161,7 +161,7 @@ _build.declare(
     ]
     + [_ln_rows_name(c) for c in _HALVES]
     + [_mma_list_name(c, u) for c in _HALVES for u in _MMA_BATCH[1]]  # (linear_argmax's screen)
-    + [f"linear_q8_max_kernel<{c}>" for c in _HALVES] + ["screen_tiles_kernel"],
+    + [f"linear_q8_max_kernel<{c}>" for c in _HALVES],
     pdl=True,
 )
 _ARGMAX_SRC = "sampling.cu"
@@ -566,7 +566,7 @@ def _mma_stream(B: int, N: int, K: int, tile, xin: int, logits: bool, kw: int, s
 
 
 def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats, ahead=None,
-                pace=None, trigger="start", tile_list=None):
+                pace=None, trigger="start", listed=None):
     fold, stats_out = stats
     sms = _build.sm_count(cupy.cuda.Device().id)
     logits = out_type == "float" and epi in ("store", "argmax")
@@ -577,7 +577,7 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
         raise ValueError(f"pace={pace} GB/s is too slow for rows of {K} values: a block's delay must fit 2**31 ps")
     if ln is not None and xin == X_PLAIN:  # normalize once, then the plain product (the same bits)
         x, ln = ln_rows(x, ln), None
-    if tile_list is not None:  # (linear_argmax's screen: one n-tile and m-tile, the folded LayerNorm)
+    if listed is not None:  # (linear_argmax's screen: one n-tile and m-tile, the folded LayerNorm)
         kern = _build.kernel(_SRC, _mma_list_name(_build.ctype(x.dtype), u))
         blocks, grid_y, threads = _build.cdiv(N, 16), 1, 32 * kw
         grid_x = min(blocks, sms)
@@ -597,26 +597,28 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
         part = part(blocks)
     null = 0
     ln_args = ln if fold is None else (null, null, fold[3])  # (ln_fold's eps where ln's goes)
-    kern((blocks if tile_list is None else grid_x, grid_y), (threads,),
+    kern((blocks if listed is None else grid_x, grid_y), (threads,),
          _args(out, x, weight, bias, ln_args, res, part, kv, B, N, K)
          + (i32(xs_stride), null if fold is None else fold[0], null if stats_out is None else stats_out,
             null if fold is None else fold[1], null if fold is None else fold[2], i32(pace_ps),
-            i32(TRIGGERS.index(trigger)), null if tile_list is None else tile_list),
+            i32(TRIGGERS.index(trigger)))
+         + (() if listed is None else listed),
          shared_mem=smem)
     return blocks, part
 
 
 def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats=(None, None),
-            ahead=None, pace=None, trigger="start", tile_list=None):
+            ahead=None, pace=None, trigger="start", listed=None):
     """Launches the product (tensor cores for 16-bit vector rows, else CUDA cores); returns
     its number of blocks and the argmax partials, made by ``part(blocks)`` when given (or
-    given made: a screened LM head's, whose ``tile_list`` names the tiles to compute).
+    given made: a screened LM head's, whose ``listed``, the 8-bit pass's (hi, bounds), says
+    which tiles to compute).
     ``stats``: (ln_fold as (stats, u, c, eps), row statistics to write), tensor cores only."""
     mma = _tensor_cores(x, weight, K, ln)
     _check_tile(tile, warps, mma)
     if mma:
         return _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats,
-                           ahead, pace, trigger, tile_list)
+                           ahead, pace, trigger, listed)
     if ahead:
         raise ValueError("ahead=True runs on tensor cores: float16 / bfloat16 rows of 16-byte vectors")
     if pace is not None:
@@ -838,13 +840,13 @@ def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, o
         raise ValueError(f"argmax over an empty product (N = {N}, K = {K})")
     part = lambda blocks: (cupy.empty((B, blocks), dtype=numpy.float32),  # noqa: E731
                            cupy.empty((B, blocks), dtype=numpy.int32))
-    tile_list = None
-    if screen is not None:  # the partials of the tiles it skips come from the screen
+    listed = None
+    if screen is not None:  # the 8-bit pass's bounds, then the exact tiles where they may hold the largest
         part = part(_build.cdiv(N, _Q8_TILE))
-        tile_list = _screen_tiles(x, screen, ln_fold, part, B, N, K)
+        listed = _screen_pass(x, screen, ln_fold, B, N, K)
     blocks, part = _launch(x, weight, bias, ln, None, logits, part, None, "float", "argmax", B, N, K, tile, warps,
-                           stats, tile_list=tile_list)
-    args = (out, part[0], part[1], i32(blocks), 0 if advance is None else advance)
+                           stats, listed=listed)
+    args = (out, part[0], part[1], i32(blocks), 0 if advance is None else advance, 0 if listed is None else listed[1])
     if embed is None:
         _build.kernel(_ARGMAX_SRC, _ARGMAX_NAME)((B,), (_ARGMAX_THREADS,), args)
     else:
@@ -856,7 +858,6 @@ def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, o
 
 
 SCREEN_MAX_ROWS = 8  # linear.cu's: rows of x a screened LM head takes
-_SCREEN_THREADS = 1024  # linear.cu's SCREEN_THREADS
 _Q8_TILE = 16  # rows of W a tile of linear_q8_max_kernel (and of linear_mma_kernel at one m-tile)
 _Q8_CHUNKS = 8  # linear.cu's Q8_BATCH: chunks of 32 values a warp takes of each row
 
@@ -899,24 +900,24 @@ def _check_screen(screen, x, weight, N: int, K: int, B: int, ln_fold, logits, ti
     return q, scale
 
 
-def _screen_tiles(x, screen, ln_fold, part, B: int, N: int, K: int) -> cupy.ndarray:
-    """linear_q8_max_kernel's bounds, then screen_tiles_kernel's list of the tiles to compute
-    (int32 [1 + tiles]: their count, then their indices); the others' partials into ``part``."""
+def _screen_pass(x, screen, ln_fold, B: int, N: int, K: int) -> tuple:
+    """linear_q8_max_kernel: (hi, bounds), each tile of 16 rows' upper bound of each row
+    (float32 [B, tiles]) and each row's best lower bound (uint32 [B], linear.cu's order keys;
+    zero before, as the argmax kernel leaves them)."""
     q, scale = screen
     stats, u, c, eps = ln_fold
     tiles = _build.cdiv(N, _Q8_TILE)
     hi = cupy.empty((B, tiles), dtype=numpy.float32)
     lo = cupy.empty((B, tiles), dtype=numpy.float32)
-    tile_list = cupy.empty(1 + tiles, dtype=numpy.int32)
+    bounds = cupy.zeros(B, dtype=numpy.uint32)
     kw = _mma_warps(K)
     blocks = min(tiles, _build.sm_count(cupy.cuda.Device().id) * max(1, MMA_MAX_WARPS // kw))
     kern = _build.kernel(_SRC, f"linear_q8_max_kernel<{_build.ctype(x.dtype)}>")
     smem = max(kw * 8 * MMA_RED_STRIDE * 4, 8 * _build.cdiv(K, STATS_COLS) * 8)
     _build.set_smem(kern, smem)
-    kern((blocks,), (32 * kw,), (hi, lo, x, q, scale, u, c, stats, f32(eps), i32(B), i32(N), i32(K)), shared_mem=smem)
-    _build.kernel(_SRC, "screen_tiles_kernel")((1,), (_SCREEN_THREADS,),
-                                                (tile_list, part[0], part[1], hi, lo, i32(tiles), i32(B)))
-    return tile_list
+    kern((blocks,), (32 * kw,), (hi, lo, x, q, scale, u, c, stats, f32(eps), i32(B), i32(N), i32(K), bounds),
+         shared_mem=smem)
+    return hi, bounds
 
 
 def _check_embed(embed, x, B: int, advance):

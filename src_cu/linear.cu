@@ -4,8 +4,8 @@
 // linear_mma_kernel on tensor cores (float16 / bfloat16), after the first; same epilogues.
 // Beside the second, three variants with its bits: linear_mma_ahead_kernel (W a batch ahead),
 // linear_mma_stream_kernel (the LM head of 17 to 64 rows, W through shared memory) and
-// linear_mma_list_kernel (the listed tiles of a screened LM head, whose 8-bit pass and list,
-// linear_q8_max_kernel and screen_tiles_kernel, close this file).
+// linear_mma_list_kernel (the exact tiles of a screened LM head, whose 8-bit pass,
+// linear_q8_max_kernel, closes this file).
 //
 //   xn        = LN ? layernorm(x; ln_w, ln_b, eps) rounded to T : x          (prologue; on tensor
 //               cores also folded: W = W0 diag(ln_w), the rows' mean / rstd from the row
@@ -50,7 +50,7 @@
 // T in {__half, __nv_bfloat16} x OutT x NT n-tiles x U x XIN x EPI x MT m-tiles (2: float
 // logits at NT = 8); linear_mma_ahead_kernel: T x U x EPI (store, GELU, residual);
 // linear_mma_stream_kernel: T x XIN (plain, folded) x EPI (store, argmax), float logits;
-// linear_mma_list_kernel: T x U (folded, argmax); linear_q8_max_kernel: T; screen_tiles_kernel;
+// linear_mma_list_kernel: T x U (folded, argmax); linear_q8_max_kernel: T;
 // ln_rows_kernel: T (cupy_kernels/linear.py, where each launch shape is chosen, with the
 // measurements behind it).
 // Wrapper: cupy_kernels/linear.py   Tests: tests/test_kernels_gpu.py, tests/test_head_screen_gpu.py
@@ -585,10 +585,10 @@ template <int NT, int U, int XIN, int EPI, int MT> constexpr int mma_min_blocks(
         int *__restrict__ part_idx, T *__restrict__ k_cache, T *__restrict__ v_cache,                               \
         const int *__restrict__ positions, int *__restrict__ seq_lens, int H, int S_max, int B, int N, int K,       \
         int xs_stride, const float2 *stats_in, float2 *__restrict__ stats_out, const float *__restrict__ fold_u,   \
-        const float *__restrict__ fold_c, int pace_ps, int trigger, const int *__restrict__ tile_list
+        const float *__restrict__ fold_c, int pace_ps, int trigger
 #define LINEAR_MMA_ARGS                                                                                            \
     y, x, W, bias, ln_w, ln_b, eps, res, part_val, part_idx, k_cache, v_cache, positions, seq_lens, H, S_max, B, N, \
-        K, xs_stride, stats_in, stats_out, fold_u, fold_c, pace_ps, trigger, tile_list
+        K, xs_stride, stats_in, stats_out, fold_u, fold_c, pace_ps, trigger
 
 // The product. AHEAD: each warp requests its next batch of W before it multiplies this one
 // (W_AHEAD, or linear_mma_ahead_kernel).
@@ -889,20 +889,65 @@ __global__ void __launch_bounds__(MMA_NARROW_WARPS * 32, 1) linear_mma_ahead_ker
     linear_mma<T, OutT, 1, U, X_PLAIN, EPI, 1, true>(LINEAR_MMA_ARGS);
 }
 
-// The screened LM head's exact tiles (below: linear_q8_max_kernel): the argmax product on the
-// tiles of 16 rows of W listed in tile_list (tile_list[0] of them, then their indices), each block
-// taking entries blockIdx.x, + gridDim.x, ...; each tile's partials (largest value, its index)
-// land where linear_mma_kernel's block of that tile puts them, with its bits.
+// The screen's order keys: a float that is not NaN as an unsigned of the same order, -inf as 0
+// (the 8-bit pass's blocks leave each row's largest lower bound by atomicMax of them)
+constexpr unsigned KEY_NEG_INF = 0x007fffffu;  // the order key of -inf
+__device__ __forceinline__ unsigned bound_key(float f) {
+    const unsigned u = __float_as_uint(f);
+    return ((u & 0x80000000u) ? ~u : (u | 0x80000000u)) - KEY_NEG_INF;
+}
+__device__ __forceinline__ float key_bound(unsigned k) {
+    k += KEY_NEG_INF;
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// The screened LM head's exact tiles (below: linear_q8_max_kernel, which leaves every tile's
+// upper bound hi of each row, and each row's best lower bound in bounds[b]): block k takes
+// tiles k per, ..., (k + 1) per - 1 (per = ceil(tiles / gridDim.x)), computes those whose hi
+// reaches a row's bound (a NaN counts) with the argmax product's bits (linear_mma: each tile's
+// partials where linear_mma_kernel's block of that tile puts them) and gives the others the
+// partials (-inf, -1), which argmax_partials_kernel skips (and sets the bounds back to zero).
+// Each block lists its own tiles: a list in a kernel of its own (screen_tiles_kernel, one block
+// over all the bounds) was a launch more, and its last block choosing the tokens instead of
+// the argmax kernel (a ticket: fence and atomicAdd in every block) cost more than it saved
+// (benchmarks/NOTES.md, "The screened LM head").
 template <typename T, typename OutT, int U>
 __global__ void __launch_bounds__(mma_max_threads<1>(), mma_min_blocks<1, U, X_LN_FOLD, ARGMAX, 1>())
-    linear_mma_list_kernel(LINEAR_MMA_PARAMS) {
+    linear_mma_list_kernel(LINEAR_MMA_PARAMS, const float* hi, const unsigned* bounds) {
     static_assert(sizeof(OutT) == 4, "float logits (never written: the argmax)");
+    constexpr int COLS = 8;
+    __shared__ float s_best[COLS];
+    __shared__ int s_list[mma_max_threads<1>()], s_n;
+    const int tiles = (N + 15) / 16, nb = min(COLS, B);
+    const int per = (tiles + gridDim.x - 1) / gridDim.x, first = blockIdx.x * per, end = min(tiles, first + per);
     griddep_launch_dependents();
-    griddep_wait();  // the list: the kernel ahead's
-    const int count = tile_list[0];
-    for (int e = blockIdx.x; e < count; e += gridDim.x) {
-        __syncthreads();  // the tile before's epilogue has read the shared memory
-        linear_mma<T, OutT, 1, U, X_LN_FOLD, ARGMAX, 1, false, true>(LINEAR_MMA_ARGS, tile_list[1 + e]);
+    griddep_wait();  // the bounds: the kernel ahead's
+    if (threadIdx.x < nb) s_best[threadIdx.x] = key_bound(__ldcg(bounds + threadIdx.x));  // (coherent loads:
+    // ptxas moves non-coherent ones past griddepcontrol.wait, common.cuh)
+    for (int i0 = first; i0 < end; i0 += blockDim.x) {
+        const int i = i0 + threadIdx.x;
+        __syncthreads();  // s_best is written; the tiles before have read s_list
+        if (threadIdx.x == 0) s_n = 0;
+        __syncthreads();
+        if (i < end) {
+            bool on = false;
+            for (int b = 0; b < nb; ++b) on = on || !(__ldcg(hi + static_cast<long long>(b) * tiles + i) < s_best[b]);
+            if (on) {
+                s_list[atomicAdd(&s_n, 1)] = i;
+            } else {
+                for (int b = 0; b < nb; ++b) {
+                    part_val[static_cast<long long>(b) * tiles + i] = -INFINITY;
+                    part_idx[static_cast<long long>(b) * tiles + i] = -1;
+                }
+            }
+        }
+        __syncthreads();
+        const int n = s_n;
+        for (int e = 0; e < n; ++e) {
+            const int tile = s_list[e];
+            __syncthreads();  // the tile before's epilogue has read the shared memory
+            linear_mma<T, OutT, 1, U, X_LN_FOLD, ARGMAX, 1, false, true>(LINEAR_MMA_ARGS, tile);
+        }
     }
 }
 
@@ -1164,10 +1209,10 @@ __global__ void ln_rows_kernel(T* out, const T* x, const T* __restrict__ ln_w, c
 // rounding of the quantization and of |x_b|_1, the last term the rounding of the epilogue's
 // three operations on either side. linear_q8_max_kernel writes, per row b and tile of 16 rows,
 // hi = max (A + e) and lo = max (A - e): row b's largest E is at least M_b = max lo over the
-// tiles, and no row of a tile exceeds its hi. screen_tiles_kernel lists the tiles whose hi
-// reaches M_b for some row b (a NaN lists the tile, or every tile: rows of W that are not
-// finite, rows of x that are not or whose bfloat16 values leave float16's range take the
-// exact path), and linear_mma_list_kernel computes E on the listed tiles alone, with the bits
+// tiles (bounds[b]: its blocks' largest lo meet there by atomicMax), and no row of a tile
+// exceeds its hi. linear_mma_list_kernel computes E on the tiles whose hi reaches M_b for some
+// row b alone (a NaN counts, or every tile: rows of W that are not finite, rows of x that are
+// not or whose bfloat16 values leave float16's range take the exact path), with the bits
 // linear_mma_kernel gives them: their argmax, with its first index, is the argmax over all N
 // rows.
 //
@@ -1175,14 +1220,12 @@ __global__ void ln_rows_kernel(T* out, const T* x, const T* __restrict__ ln_w, c
 // tile's W (a warp's chunks of 32 columns: every KW-th, at most Q8_BATCH) requested before the
 // tile ahead is multiplied; x's rows (1 to 8, the 8 columns of mma.sync m16n8k16) loaded once a
 // block and kept in registers as float16 (W's bytes become float16 by a byte permute and one
-// subtraction, exact). Bytes: N K of W (half the product's) + 12 N of scale, u and c.
-// screen_tiles_kernel: one block over the bounds, 8 B N / 16 bytes. Where few tiles are listed
-// (1 to 3 of GPT-2's 3,142 in a diagnostic run's 512-token calls of random weights), the LM
-// head reads about half its bytes.
+// subtraction, exact). Bytes: N K of W (half the product's) + 12 N of scale, u and c; the
+// list kernel reads the upper bounds, 4 B N / 16 bytes. Where few tiles are computed (1 to 3 of
+// GPT-2's 3,142 in a diagnostic run's 512-token calls of random weights), the LM head reads
+// about half its bytes.
 namespace {
 constexpr int Q8_BATCH = 8;  // chunks of W a warp takes of each row (K <= 32 x 8 x KW: the wrapper)
-constexpr int SCREEN_THREADS = 1024;
-constexpr int SCREEN_MAX_ROWS = 8;
 
 // 8 bytes q + 128 as 8 float16 values q (1024 + byte, minus 1152: exact)
 __device__ __forceinline__ uint4 q8_to_half8(uint2 r) {
@@ -1224,13 +1267,14 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
     linear_q8_max_kernel(float* __restrict__ hi, float* __restrict__ lo, const T* x,
                          const unsigned char* __restrict__ Wq, const float* __restrict__ scale,
                          const float* __restrict__ fold_u, const float* __restrict__ fold_c, const float2* stats_in,
-                         float eps, int B, int N, int K) {
+                         float eps, int B, int N, int K, unsigned* __restrict__ bounds) {
     constexpr int COLS = 8, TM = 16;
     extern __shared__ float4 smem4[];
     float* red = reinterpret_cast<float*>(smem4);     // [KW][COLS][RED_STRIDE] partial tiles
     float2* sets = reinterpret_cast<float2*>(smem4);  // [COLS][n_sets], before red is written
     __shared__ float s_scale[TM], s_u[TM], s_c[TM], s_mean[COLS], s_rstd[COLS], s_l1[COLS];
     __shared__ float s_l1w[MMA_MAX_WARPS][COLS];
+    __shared__ float s_blo[COLS];  // each row's largest lo over the block's tiles
     griddep_launch_dependents();
     const int KW = blockDim.x >> 5, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int tiles = (N + TM - 1) / TM, nb = min(COLS, B), n_sets = (K + 15) / 16;
@@ -1284,6 +1328,7 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
         float s = 0.0f;
         for (int w = 0; w < KW; ++w) s += s_l1w[w][threadIdx.x];
         s_l1[threadIdx.x] = s;
+        s_blo[threadIdx.x] = -INFINITY;
     }
     __syncthreads();  // the sets are read: their shared memory takes the partial tiles
 
@@ -1327,6 +1372,12 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
             if (o < TM * nb && r == 0) {
                 hi[static_cast<long long>(bl) * tiles + tile] = h;
                 lo[static_cast<long long>(bl) * tiles + tile] = l;
+                // row bl's best lower bound (this thread's row at every tile; fmaxf passes a NaN
+                // over), into bounds[bl] at the block's last tile (after its loop instead, the pass
+                // spilled on sm_80 in bfloat16)
+                const float best = fmaxf(s_blo[bl], l);
+                s_blo[bl] = best;
+                if (tile + gridDim.x >= tiles) atomicMax(bounds + bl, bound_key(best));
             }
         }
     };
@@ -1338,41 +1389,4 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
         load_tile(wa0, wb0, rc0, tile + 2 * gridDim.x);
         process(wa1, wb1, rc1, tile + gridDim.x);
     }
-}
-
-// The tiles that may hold a row's largest value: those whose hi reaches max_t' lo[b][t'] for
-// some row b (a NaN marks the tile), listed in tile_list (tile_list[0] of them, then their
-// indices, in no particular order: each tile's partial has its place); every other tile's
-// partials become (-inf, -1), which the argmax's last kernel skips. One block of
-// SCREEN_THREADS; B <= SCREEN_MAX_ROWS.
-__global__ void __launch_bounds__(SCREEN_THREADS)
-    screen_tiles_kernel(int* __restrict__ tile_list, float* __restrict__ part_val, int* __restrict__ part_idx,
-                        const float* __restrict__ hi, const float* __restrict__ lo, int tiles, int B) {
-    __shared__ float s_scratch[32];
-    __shared__ float s_best[SCREEN_MAX_ROWS];
-    __shared__ int s_count;
-    griddep_launch_dependents();
-    griddep_wait();
-    if (threadIdx.x == 0) s_count = 0;
-    for (int b = 0; b < B; ++b) {
-        float m = -INFINITY;
-        for (int i = threadIdx.x; i < tiles; i += SCREEN_THREADS) m = fmaxf(m, lo[static_cast<long long>(b) * tiles + i]);
-        m = block_max(m, s_scratch);
-        if (threadIdx.x == 0) s_best[b] = m;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < tiles; i += SCREEN_THREADS) {
-        bool on = false;
-        for (int b = 0; b < B; ++b) on = on || !(hi[static_cast<long long>(b) * tiles + i] < s_best[b]);
-        if (on) {
-            tile_list[1 + atomicAdd(&s_count, 1)] = i;
-        } else {
-            for (int b = 0; b < B; ++b) {
-                part_val[static_cast<long long>(b) * tiles + i] = -INFINITY;
-                part_idx[static_cast<long long>(b) * tiles + i] = -1;
-            }
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) tile_list[0] = s_count;
 }

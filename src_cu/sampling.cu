@@ -192,11 +192,14 @@ __device__ __forceinline__ int reduce_partials(int* __restrict__ out, const floa
     return s_token;
 }
 
+// bounds (optional): bounds[b] = 0 (a screened LM head's row bounds, linear.cu's
+// linear_q8_max_kernel, made ready for its next launch; every kernel that reads them has ended).
 __global__ void __launch_bounds__(ARGMAX_PARTIALS_THREADS)
     argmax_partials_kernel(int* __restrict__ out, const float* __restrict__ val, const int* __restrict__ idx, int G,
-                           int* __restrict__ positions) {
+                           int* __restrict__ positions, unsigned* __restrict__ bounds) {
     griddep_launch_dependents();  // (the publish and the next step's embedding read nothing before their waits)
     griddep_wait();
+    if (bounds != nullptr && threadIdx.x == 0) bounds[blockIdx.x] = 0u;
     int position;
     reduce_partials(out, val, idx, G, positions, position);
 }
@@ -210,10 +213,12 @@ __global__ void __launch_bounds__(ARGMAX_PARTIALS_THREADS)
 template <typename T>
 __global__ void __launch_bounds__(ARGMAX_PARTIALS_THREADS)
     argmax_embed_kernel(int* __restrict__ out, const float* __restrict__ val, const int* __restrict__ idx, int G,
-                        int* __restrict__ positions, T* __restrict__ x, float2* __restrict__ stats,
-                        const T* __restrict__ wte, const T* __restrict__ wpe, int C, int V, int P) {
+                        int* __restrict__ positions, unsigned* __restrict__ bounds, T* __restrict__ x,
+                        float2* __restrict__ stats, const T* __restrict__ wte, const T* __restrict__ wpe, int C, int V,
+                        int P) {
     griddep_launch_dependents();  // (the next step's first product reads only its weights before its wait)
     griddep_wait();
+    if (bounds != nullptr && threadIdx.x == 0) bounds[blockIdx.x] = 0u;
     int position;
     const int token = reduce_partials(out, val, idx, G, positions, position);
     const T* tok = wte + static_cast<long long>(min(max(token, 0), V - 1)) * C;

@@ -12,7 +12,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled")]
 
 cp = pytest.importorskip("cupy")
 import cupy_kernels as K  # noqa: E402
-from gpu_util import DTYPES, rand  # noqa: E402
+from cupy_kernels import _build  # noqa: E402
+from gpu_util import DTYPES, poisoned, rand  # noqa: E402
 
 L = importlib.import_module("cupy_kernels.linear")  # (the package's `linear` is the function)
 
@@ -52,6 +53,12 @@ def _same_tokens(res, stats, wf, u, c):
     return screen, got
 
 
+def _bounds(keys) -> np.ndarray:
+    """linear.cu's order keys (uint32, key_bound) as float32."""
+    k = (keys.astype(np.uint64) + 0x007FFFFF).astype(np.uint32)
+    return np.where(k & 0x80000000, k & 0x7FFFFFFF, ~k).astype(np.uint32).view(np.float32)
+
+
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
 def test_quantize_rows(dtype):
     rng = np.random.default_rng(0)
@@ -80,13 +87,10 @@ def test_screen_gives_the_exact_tokens(B, C, N, dtype):
     wf, u, c = _head(rng, N, C, dtype)
     screen, _ = _same_tokens(res, stats, wf, u, c)
     tiles = -(-N // 16)
-    part = (cp.full((B, tiles), np.nan, np.float32), cp.full((B, tiles), -7, np.int32))
-    listed = L._screen_tiles(res, screen, (stats, u, c, 1e-5), part, B, N, C).get()
-    count = int(listed[0])
-    assert 1 <= count <= tiles and len(set(listed[1:1 + count].tolist())) == count
-    on = np.zeros(tiles, dtype=bool)
-    on[listed[1:1 + count]] = True
-    assert (part[0].get()[:, ~on] == -np.inf).all() and (part[1].get()[:, ~on] == -1).all()
+    hi, bounds = L._screen_pass(res, screen, (stats, u, c, 1e-5), B, N, C)
+    bound = _bounds(bounds.get())  # each row's best lower bound
+    on = (~(hi.get() < bound[:, None])).any(axis=0)  # the tiles the list kernel computes
+    assert 1 <= on.sum() <= tiles
     logits = _exact_logits(res, stats, wf, u, c).get()
     best = logits.max(axis=1)
     padded = np.full((B, tiles * 16), -np.inf)
@@ -94,8 +98,56 @@ def test_screen_gives_the_exact_tokens(B, C, N, dtype):
     tile_max = padded.reshape(B, tiles, 16).max(axis=2)
     assert (tile_max[:, ~on] < best[:, None]).all()
     assert on[np.argmax(logits, axis=1) // 16].all()
+    assert (best >= bound).all()  # lower bounds of the largest
     if B == 1 and N >= 5000:
         assert on.mean() < 0.1, f"{on.sum()} of {tiles} tiles computed exactly"
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+@pytest.mark.parametrize("B,C,N", [(1, 768, 50257), (2, 1600, 5000), (8, 776, 1000), (3, 72, 129)])
+def test_screen_advances_embeds_and_replays(B, C, N, dtype):
+    """With advance= and embed=: the exact product's tokens, the positions moved on once, the
+    next step's embedding with the bits of embedding(stats_out=); also where a computed tile's
+    partial is NaN; and a recorded launch replayed with every logit 64 lower each time, which
+    a row bound left from the launch before would skip whole (the argmax kernel sets them back)."""
+    rng = np.random.default_rng(7 * B + C + N)
+    P = 64
+    res, stats = _rows(rng, B, C, dtype)
+    wf, u, c = _head(rng, N, C, dtype)
+    wte, _ = rand(rng, (N, C), dtype)
+    wpe, _ = rand(rng, (P, C), dtype)
+    start = rng.integers(0, P - 1, B).astype(np.int32)
+    start[-1] = P - 1  # moved to P: wpe's last row
+    sets = -(-C // 16)
+
+    def run(w):
+        fold, screen = (stats, u, c, 1e-5), K.quantize_rows(w)
+        exact = K.linear_argmax(res, w, ln_fold=fold)
+        expect_x, expect_stats = poisoned((B, C), dtype), cp.full((B, sets, 2), np.nan, dtype=np.float32)
+        K.embedding(exact, wte, wpe, cp.asarray(np.minimum(start + 1, P - 1)), out=expect_x, stats_out=expect_stats)
+        positions, got = cp.asarray(start), cp.full(B, -7, dtype=np.int32)
+        x_out, x_stats = poisoned((B, C), dtype), cp.full((B, sets, 2), np.nan, dtype=np.float32)
+        K.linear_argmax(res, w, ln_fold=fold, screen=screen, out=got, advance=positions,
+                        embed=(wte, wpe, x_out, x_stats))
+        assert got.get().tolist() == exact.get().tolist()
+        assert positions.get().tolist() == (start + 1).tolist()
+        assert cp.array_equal(x_out, expect_x) and cp.array_equal(x_stats, expect_stats)
+        return screen
+
+    screen = run(wf)
+    nan = wf.copy()
+    nan[16 * (N // 32), 3] = np.nan  # the first row of a tile: its partial is NaN in every row of x
+    run(nan)
+    shift = c.copy()  # the folded bias, lowered before each replay
+    positions, got = cp.asarray(start), cp.full(B, -7, dtype=np.int32)
+    with _build.recording() as plan:
+        K.linear_argmax(res, wf, ln_fold=(stats, u, shift, 1e-5), screen=screen, out=got, advance=positions)
+    for r in range(3):
+        shift -= 64
+        got.fill(-7)
+        plan.replay()
+        assert got.get().tolist() == K.linear_argmax(res, wf, ln_fold=(stats, u, shift, 1e-5)).get().tolist()
+        assert positions.get().tolist() == (start + 1 + r).tolist()
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=str)

@@ -417,7 +417,7 @@ def test_decode_step_profile_reads_every_product(small, dtype):
             N, Kd = shapes[role]
             if role == "lm_head" and screened:  # its weight at 8 bits, with scale, u and c (and a few exact tiles)
                 assert nbytes == N * Kd + 12 * N + batch * Kd * s
-                assert [r for r, _ in roles if r.startswith("lm_head_")] == ["lm_head_screen", "lm_head_tiles"]
+                assert [(r, b) for r, b in roles if r.startswith("lm_head_")] == [("lm_head_tiles", 4 * batch * -(-N // 16))]
             else:
                 assert nbytes == (N * Kd + batch * (N + Kd)) * s, role
 
