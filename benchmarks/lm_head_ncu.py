@@ -1,6 +1,6 @@
 """GPT-2 small's LM head at batch 1, float16, random weights and a folded LayerNorm: the exact
 argmax product (linear_mma_kernel) and the screened one (linear_q8_max_kernel's 8-bit pass,
-the list, the exact tiles), twice each, for Nsight Compute:
+then the exact tiles), twice each, for Nsight Compute:
 
     ncu --clock-control none -k regex:"linear_q8_max_kernel|linear_mma_kernel" -c 2 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis \\
