@@ -908,14 +908,13 @@ def _screen_pass(x, screen, ln_fold, B: int, N: int, K: int) -> tuple:
     stats, u, c, eps = ln_fold
     tiles = _build.cdiv(N, _Q8_TILE)
     hi = cupy.empty((B, tiles), dtype=numpy.float32)
-    lo = cupy.empty((B, tiles), dtype=numpy.float32)
     bounds = cupy.zeros(B, dtype=numpy.uint32)
     kw = _mma_warps(K)
     blocks = min(tiles, _build.sm_count(cupy.cuda.Device().id) * max(1, MMA_MAX_WARPS // kw))
     kern = _build.kernel(_SRC, f"linear_q8_max_kernel<{_build.ctype(x.dtype)}>")
     smem = max(kw * 8 * MMA_RED_STRIDE * 4, 8 * _build.cdiv(K, STATS_COLS) * 8)
     _build.set_smem(kern, smem)
-    kern((blocks,), (32 * kw,), (hi, lo, x, q, scale, u, c, stats, f32(eps), i32(B), i32(N), i32(K), bounds),
+    kern((blocks,), (32 * kw,), (hi, x, q, scale, u, c, stats, f32(eps), i32(B), i32(N), i32(K), bounds),
          shared_mem=smem)
     return hi, bounds
 

@@ -1208,9 +1208,9 @@ __global__ void ln_rows_kernel(T* out, const T* x, const T* __restrict__ ln_w, c
 // exact in float32; K terms of at most 127 |x| scale[n]) and bfloat16 x made float16, 1/16 the
 // rounding of the quantization and of |x_b|_1, the last term the rounding of the epilogue's
 // three operations on either side. linear_q8_max_kernel writes, per row b and tile of 16 rows,
-// hi = max (A + e) and lo = max (A - e): row b's largest E is at least M_b = max lo over the
-// tiles (bounds[b]: its blocks' largest lo meet there by atomicMax), and no row of a tile
-// exceeds its hi. linear_mma_list_kernel computes E on the tiles whose hi reaches M_b for some
+// hi = max (A + e), and keeps lo = max (A - e) of its own tiles: row b's largest E is at least
+// M_b = max lo over the tiles (bounds[b]: its blocks' largest lo meet there by atomicMax), and
+// no row of a tile exceeds its hi. linear_mma_list_kernel computes E on the tiles whose hi reaches M_b for some
 // row b alone (a NaN counts, or every tile: rows of W that are not finite, rows of x that are
 // not or whose bfloat16 values leave float16's range take the exact path), with the bits
 // linear_mma_kernel gives them: their argmax, with its first index, is the argmax over all N
@@ -1264,7 +1264,7 @@ __device__ __forceinline__ float max_nan(float a, float b) { return a != a || b 
 
 template <typename T>
 __global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
-    linear_q8_max_kernel(float* __restrict__ hi, float* __restrict__ lo, const T* x,
+    linear_q8_max_kernel(float* __restrict__ hi, const T* x,
                          const unsigned char* __restrict__ Wq, const float* __restrict__ scale,
                          const float* __restrict__ fold_u, const float* __restrict__ fold_c, const float2* stats_in,
                          float eps, int B, int N, int K, unsigned* __restrict__ bounds) {
@@ -1371,7 +1371,6 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
             }
             if (o < TM * nb && r == 0) {
                 hi[static_cast<long long>(bl) * tiles + tile] = h;
-                lo[static_cast<long long>(bl) * tiles + tile] = l;
                 // row bl's best lower bound (this thread's row at every tile; fmaxf passes a NaN
                 // over), into bounds[bl] at the block's last tile (after its loop instead, the pass
                 // spilled on sm_80 in bfloat16)
