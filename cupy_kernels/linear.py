@@ -864,27 +864,49 @@ _Q8_CHUNKS = 8  # linear.cu's Q8_BATCH: chunks of 32 values a warp takes of each
 
 def quantize_rows(weight) -> tuple:
     """``(q, scale)`` of a 16-bit weight [N, K] for :func:`linear_argmax`'s ``screen``:
-    q = round(w / scale) + 128 as uint8 [N, K] and scale = max |w| / 127 of each row
-    (float32 [N]; 1 for a row of zeros, NaN for a row with a value that is not finite,
-    which then takes the exact path)."""
+    q[n, k] = round(w[n, k] / scale[n]) + 128 as bytes, scale = max |w| / 127 of each row
+    (float32 [N]; 1 for a row of zeros, NaN for a row with a value that is not finite, which
+    then takes the exact path). q is laid out as the 8-bit pass reads it (linear.cu, "The
+    screened LM head"): uint8 [ceil(N / 16), ceil(K / 32) x 512], a row for each tile of 16
+    rows, in pieces of 512 bytes for each chunk of 32 columns, where bytes 16 (4 g + t) to
+    16 (4 g + t) + 15 hold row g's columns 8 t .. 8 t + 7, then row g + 8's (g < 8, t < 4);
+    128 (zero) past N and K. :func:`unpack_rows` gives q back as [N, K]."""
     weight = _checks.float_array(weight, "weight", ndim=2)
     if weight.dtype.itemsize != 2:
         raise TypeError(f"weight must be float16 or bfloat16, got {weight.dtype}")
+    N, K = weight.shape
     w = weight.astype(numpy.float32)
     amax = cupy.abs(w).max(axis=1)
     finite = cupy.isfinite(w).all(axis=1)
     scale = cupy.where(amax > 0, amax / numpy.float32(127), numpy.float32(1)).astype(numpy.float32)
     q = cupy.rint(w / cupy.where(finite, scale, numpy.float32(1))[:, None]).clip(-127, 127)
     q = (cupy.where(finite[:, None], q, 0) + 128).astype(numpy.uint8)
-    return cupy.ascontiguousarray(q), cupy.where(finite, scale, numpy.float32(numpy.nan)).astype(numpy.float32)
+    tiles, chunks = _build.cdiv(N, _Q8_TILE), _build.cdiv(K, 32)
+    full = cupy.full((tiles * _Q8_TILE, chunks * 32), 128, dtype=numpy.uint8)
+    full[:N, :K] = q
+    # [tile, half (rows g / g + 8), g, chunk, t, byte] -> [tile, chunk, g, t, half, byte]
+    packed = full.reshape(tiles, 2, 8, chunks, 4, 8).transpose(0, 3, 2, 4, 1, 5)
+    return (cupy.ascontiguousarray(packed).reshape(tiles, chunks * 512),
+            cupy.where(finite, scale, numpy.float32(numpy.nan)).astype(numpy.float32))
+
+
+def unpack_rows(q, N: int, K: int):
+    """:func:`quantize_rows`' q as uint8 [N, K] (q + 128 of each row), from its tile layout."""
+    tiles, chunks = _build.cdiv(N, _Q8_TILE), _build.cdiv(K, 32)
+    if q.shape != (tiles, chunks * 512):
+        raise ValueError(f"q of [{N}, {K}] must be [{tiles}, {chunks * 512}], got {list(q.shape)}")
+    full = q.reshape(tiles, chunks, 8, 4, 2, 8).transpose(0, 4, 2, 1, 3, 5).reshape(tiles * _Q8_TILE, chunks * 32)
+    return full[:N, :K]
 
 
 def _check_screen(screen, x, weight, N: int, K: int, B: int, ln_fold, logits, tile, warps) -> tuple:
     if not (isinstance(screen, (tuple, list)) and len(screen) == 2):
         raise TypeError("screen must be quantize_rows' (q, scale)")
     q, scale = _checks.as_array(screen[0], "screen's q"), _checks.as_array(screen[1], "screen's scale")
-    if q.dtype != numpy.uint8 or q.shape != (N, K) or not q.flags.c_contiguous or q.data.ptr % 8:
-        raise ValueError(f"screen's q must be C-contiguous, 8-byte aligned uint8 [{N}, {K}] (quantize_rows of weight)")
+    shape = (_build.cdiv(N, _Q8_TILE), _build.cdiv(K, 32) * 512)
+    if q.dtype != numpy.uint8 or q.shape != shape or not q.flags.c_contiguous or q.data.ptr % 16:
+        raise ValueError(f"screen's q must be C-contiguous, 16-byte aligned uint8 {list(shape)} "
+                         "(quantize_rows of weight)")
     if scale.dtype != numpy.float32 or scale.shape != (N,) or not scale.flags.c_contiguous:
         raise ValueError(f"screen's scale must be C-contiguous float32 [{N}]")
     if ln_fold is None:

@@ -1197,7 +1197,9 @@ __global__ void ln_rows_kernel(T* out, const T* x, const T* __restrict__ ln_w, c
 // largest value (cupy_kernels/linear.py, linear_argmax's screen=).
 //
 //   q[n, k] = round(W[n, k] / scale[n]),  scale[n] = max_k |W[n, k]| / 127   (quantize_rows;
-//             stored as q + 128 in a byte)
+//             stored as q + 128 in a byte, tile by tile: each tile of 16 rows is ceil(K / 32)
+//             pieces of 512 bytes, one a chunk of 32 columns, whose lane 4 g + t holds 16
+//             bytes, row g's columns 8 t .. 8 t + 7 and then row g + 8's, 128 past N and K)
 //   A[b, n] = rstd_b (scale[n] (x_b . q[n]) - mean_b u[n]) + c[n]           (linear_q8_max_kernel)
 //
 // |x_b . W[n] - scale[n] (x_b . q[n])| <= |x_b|_1 scale[n] / 2, so the exact value E[b, n]
@@ -1218,9 +1220,10 @@ __global__ void ln_rows_kernel(T* out, const T* x, const T* __restrict__ ln_w, c
 //
 // linear_q8_max_kernel: blocks of KW warps walking tiles blockIdx.x, + gridDim.x, ..., each
 // tile's W (a warp's chunks of 32 columns: every KW-th, at most Q8_BATCH) requested before the
-// tile ahead is multiplied; x's rows (1 to 8, the 8 columns of mma.sync m16n8k16) loaded once a
-// block and kept in registers as float16 (W's bytes become float16 by a byte permute and one
-// subtraction, exact). Bytes: N K of W (half the product's) + 12 N of scale, u and c; the
+// tile ahead is multiplied, one 16-byte load a lane a chunk: a warp's load reads 512
+// contiguous bytes (the rows' layout took two 8-byte loads, 8 rows x 32 bytes each); x's rows
+// (1 to 8, the 8 columns of mma.sync m16n8k16) loaded once a block and kept in registers as
+// float16 (W's bytes become float16 by a byte permute and one subtraction, exact). Bytes: N K of W (half the product's) + 12 N of scale, u and c; the
 // list kernel reads the upper bounds, 4 B N / 16 bytes. Where few tiles are computed (1 to 3 of
 // GPT-2's 3,142 in a diagnostic run's 512-token calls of random weights), the LM head reads
 // about half its bytes.
@@ -1282,18 +1285,17 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
     const int my_chunks = warp < n_chunks ? (n_chunks - 1 - warp) / KW + 1 : 0;  // <= Q8_BATCH (the wrapper)
     const float kf = static_cast<float>(K);
 
-    // tile i's W (all of a warp's chunks) and, in threads 0..15, its rows' scale, u and c
+    // tile i's W (all of a warp's chunks: one 16-byte piece a lane each, rows g and g + 8, from
+    // quantize_rows' layout) and, in threads 0..15, its rows' scale, u and c
     auto load_tile = [&](uint2 (&a)[Q8_BATCH], uint2 (&b)[Q8_BATCH], float (&rc)[3], int tile) {
         const int m0 = tile * TM;
-        const bool row_a = tile < tiles && m0 + g < N, row_b = tile < tiles && m0 + g + 8 < N;
-        const unsigned char* wa_p = Wq + static_cast<long long>(row_a ? m0 + g : 0) * K + 8 * t;
-        const unsigned char* wb_p = Wq + static_cast<long long>(row_b ? m0 + g + 8 : 0) * K + 8 * t;
+        const unsigned char* wp = Wq + static_cast<long long>(tile) * n_chunks * 512 + (warp * 32 + lane) * 16;
 #pragma unroll
         for (int u = 0; u < Q8_BATCH; ++u) {
-            const int col = 32 * (warp + u * KW);
-            const bool ok = u < my_chunks && col + 8 * t < K;
-            a[u] = ok && row_a ? load_stream8(wa_p + col) : make_uint2(0x80808080u, 0x80808080u);
-            b[u] = ok && row_b ? load_stream8(wb_p + col) : make_uint2(0x80808080u, 0x80808080u);
+            uint4 r = make_uint4(0x80808080u, 0x80808080u, 0x80808080u, 0x80808080u);
+            if (tile < tiles && u < my_chunks) r = load_stream16(wp + u * KW * 512);
+            a[u] = make_uint2(r.x, r.y);
+            b[u] = make_uint2(r.z, r.w);
         }
         const bool in = threadIdx.x < TM && tile < tiles && m0 + static_cast<int>(threadIdx.x) < N;
         rc[0] = in ? scale[m0 + threadIdx.x] : 0.0f;

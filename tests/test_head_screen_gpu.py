@@ -67,8 +67,15 @@ def test_quantize_rows(dtype):
     w[5, 7] = np.inf
     w[6, 1] = np.nan
     q, scale = K.quantize_rows(w)
-    assert q.dtype == np.uint8 and q.shape == (37, 72) and scale.dtype == np.float32 and scale.shape == (37,)
-    qh, sh = q.get().astype(np.float64) - 128, scale.get().astype(np.float64)
+    assert q.dtype == np.uint8 and q.shape == (3, 3 * 512) and scale.dtype == np.float32 and scale.shape == (37,)
+    # the layout the 8-bit pass reads: tile i, chunk c, lane 4 g + t: rows 16 i + g and + 8, columns 32 c + 8 t ..
+    qt = q.get().reshape(3, 3, 8, 4, 2, 8)
+    full = np.full((48, 96), 128, np.uint8)
+    for i, c, g, t, h in np.ndindex(3, 3, 8, 4, 2):
+        full[16 * i + 8 * h + g, 32 * c + 8 * t:32 * c + 8 * t + 8] = qt[i, c, g, t, h]
+    assert (full[37:] == 128).all() and (full[:, 72:] == 128).all()  # zero past N and K
+    assert np.array_equal(K.unpack_rows(q, 37, 72).get(), full[:37, :72])
+    qh, sh = full[:37, :72].astype(np.float64) - 128, scale.get().astype(np.float64)
     wh[3] = 0
     finite = [i for i in range(37) if i not in (5, 6)]
     assert np.isnan(sh[[5, 6]]).all() and sh[3] == 1 and (qh[3] == 0).all()
