@@ -1212,19 +1212,20 @@ __global__ void ln_rows_kernel(T* out, const T* x, const T* __restrict__ ln_w, c
 // three operations on either side. linear_q8_max_kernel writes, per row b and tile of 16 rows,
 // hi = max (A + e), and keeps lo = max (A - e) of its own tiles: row b's largest E is at least
 // M_b = max lo over the tiles (bounds[b]: its blocks' largest lo meet there by atomicMax), and
-// no row of a tile exceeds its hi. linear_mma_list_kernel computes E on the tiles whose hi reaches M_b for some
-// row b alone (a NaN counts, or every tile: rows of W that are not finite, rows of x that are
-// not or whose bfloat16 values leave float16's range take the exact path), with the bits
-// linear_mma_kernel gives them: their argmax, with its first index, is the argmax over all N
-// rows.
+// no row of a tile exceeds its hi. linear_mma_list_kernel computes E on the tiles whose hi
+// reaches M_b for some row b alone (a NaN counts, or every tile: rows of W that are not finite,
+// rows of x that are not or whose bfloat16 values leave float16's range take the exact path),
+// with the bits linear_mma_kernel gives them: their argmax, with its first index, is the argmax
+// over all N rows.
 //
 // linear_q8_max_kernel: blocks of KW warps walking tiles blockIdx.x, + gridDim.x, ..., each
 // tile's W (a warp's chunks of 32 columns: every KW-th, at most Q8_BATCH) requested before the
 // tile ahead is multiplied, one 16-byte load a lane a chunk: a warp's load reads 512
 // contiguous bytes (the rows' layout took two 8-byte loads, 8 rows x 32 bytes each); x's rows
 // (1 to 8, the 8 columns of mma.sync m16n8k16) loaded once a block and kept in registers as
-// float16 (W's bytes become float16 by a byte permute and one subtraction, exact). Bytes: N K of W (half the product's) + 12 N of scale, u and c; the
-// list kernel reads the upper bounds, 4 B N / 16 bytes. Where few tiles are computed (1 to 3 of
+// float16 (W's bytes become float16 by a byte permute and one subtraction, exact). Bytes: N K
+// of W (half the product's) + 12 N of scale, u and c; the list kernel reads the upper bounds,
+// 4 B N / 16 bytes. Where few tiles are computed (1 to 3 of
 // GPT-2's 3,142 in a diagnostic run's 512-token calls of random weights), the LM head reads
 // about half its bytes.
 namespace {
