@@ -137,13 +137,6 @@ __device__ __forceinline__ uint4 load_stream16(const void* p) {
     return r;
 }
 
-// load_stream16's 8-byte form (8 bytes of an 8-bit weight: linear.cu's screened LM head)
-__device__ __forceinline__ uint2 load_stream8(const void* p) {
-    uint2 r;
-    asm("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p));
-    return r;
-}
-
 // An int read from global memory at this point of the program, every time: a volatile load
 // the compiler neither merges with an earlier one nor hoists, so that a value needed again
 // at a kernel's end need not stay in a register through its main loop.

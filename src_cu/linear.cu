@@ -1225,9 +1225,8 @@ __global__ void ln_rows_kernel(T* out, const T* x, const T* __restrict__ ln_w, c
 // (1 to 8, the 8 columns of mma.sync m16n8k16) loaded once a block and kept in registers as
 // float16 (W's bytes become float16 by a byte permute and one subtraction, exact). Bytes: N K
 // of W (half the product's) + 12 N of scale, u and c; the list kernel reads the upper bounds,
-// 4 B N / 16 bytes. Where few tiles are computed (1 to 3 of
-// GPT-2's 3,142 in a diagnostic run's 512-token calls of random weights), the LM head reads
-// about half its bytes.
+// 4 B N / 16 bytes. Where few tiles are computed (1 to 3 of GPT-2's 3,142 in a diagnostic
+// run's 512-token calls of random weights), the LM head reads about half its bytes.
 namespace {
 constexpr int Q8_BATCH = 8;  // chunks of W a warp takes of each row (K <= 32 x 8 x KW: the wrapper)
 
