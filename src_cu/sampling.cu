@@ -165,12 +165,25 @@ __device__ __forceinline__ int reduce_partials(int* __restrict__ out, const floa
     __shared__ int s_idx[32];
     __shared__ int s_token, s_position;
     const long long row = static_cast<long long>(blockIdx.x) * G;
+    // the position requested beside the partials, not after their reduction (one L2 round trip
+    // less); every partial of a round requested before the first is compared (coherent loads:
+    // the kernel ahead wrote them), in the order of the loop's iterations as before
+    const int pos0 = threadIdx.x == 0 && positions != nullptr ? __ldcg(positions + blockIdx.x) : 0;
+    constexpr int ROUND = 16;
     float best = -INFINITY;
     int bi = -1;
-    for (int g = threadIdx.x; g < G; g += ARGMAX_PARTIALS_THREADS) {
-        const int i = idx[row + g];
-        const float v = val[row + g];
-        if (i >= 0 && (bi < 0 || v > best || (v == best && i < bi))) best = v, bi = i;
+    for (int g0 = threadIdx.x; g0 < G; g0 += ROUND * ARGMAX_PARTIALS_THREADS) {
+        int ri[ROUND];
+        float rv[ROUND];
+#pragma unroll
+        for (int u = 0; u < ROUND; ++u) {
+            const int g = g0 + u * ARGMAX_PARTIALS_THREADS;
+            ri[u] = g < G ? __ldcg(idx + row + g) : -1;
+            rv[u] = g < G ? __ldcg(val + row + g) : -INFINITY;
+        }
+#pragma unroll
+        for (int u = 0; u < ROUND; ++u)
+            if (ri[u] >= 0 && (bi < 0 || rv[u] > best || (rv[u] == best && ri[u] < bi))) best = rv[u], bi = ri[u];
     }
     warp_argmax(best, bi);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -183,7 +196,7 @@ __device__ __forceinline__ int reduce_partials(int* __restrict__ out, const floa
         if (lane == 0) {
             out[blockIdx.x] = bi;
             s_token = bi;
-            s_position = positions != nullptr ? positions[blockIdx.x] + 1 : 0;
+            s_position = positions != nullptr ? pos0 + 1 : 0;
             if (positions != nullptr) positions[blockIdx.x] = s_position;
         }
     }
