@@ -21,10 +21,11 @@ def device_name() -> str:
     return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
 
 
-def device_slug() -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100'."""
-    m = re.search(r"\b([A-Z]+\d+[A-Z]?)\b", device_name().replace("NVIDIA", ""))
-    return (m.group(1) if m else re.sub(r"\W+", "-", device_name())).lower()
+def device_slug(name: str | None = None) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100' (this machine's GPU unless a name is given)."""
+    name = name or device_name()
+    m = re.search(r"\b([A-Z]+\d+[A-Z]?)\b", name.replace("NVIDIA", ""))
+    return (m.group(1) if m else re.sub(r"\W+", "-", name)).lower()
 
 
 def versions() -> dict:
@@ -224,13 +225,17 @@ def copy_ceiling_GBps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (t["us"] * 1e-6) / 1e9
 
 
-def write_results(bench: str, rows: list[dict], ceilings: dict, **extra) -> Path:
+def write_results(bench: str, rows: list[dict], ceilings: dict, *, device: str | None = None,
+                  versions_: dict | None = None, **extra) -> Path:
     """benchmarks/results/<bench>-<device>.json: device, date, versions, ceilings, rows,
-    and any ``extra`` sections."""
+    and any ``extra`` sections. ``device`` and ``versions_``: those of the machine that measured
+    the rows, where they are not this one's (a file merged from parts)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{bench}-{device_slug()}.json"
-    doc = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "versions": versions(), "ceilings": ceilings, "rows": rows, **extra}
+    device = device or device_name()
+    path = RESULTS / f"{bench}-{device_slug(device)}.json"
+    doc = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "versions": versions_ if versions_ is not None else versions(), "ceilings": ceilings, "rows": rows,
+           **extra}
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return path
 

@@ -64,8 +64,8 @@ import torch
 import torch.nn.functional as F
 
 import cupy_kernels as K
-from benchmarks.common import (banner, copy_ceiling_GBps, decode_weight_bytes, graph_replay_us, save_figure, subplots,
-                               time_gpu, write_results)
+from benchmarks.common import (banner, copy_ceiling_GBps, decode_weight_bytes, device_slug, graph_replay_us,
+                               save_figure, subplots, time_gpu, write_results)
 from cupy_kernels import _build
 
 linear_mod = importlib.import_module("cupy_kernels.linear")  # the module (the package exports the function)
@@ -594,7 +594,9 @@ def merge(parts) -> Path:
     """decode_step-<device>.json from the results files of parts of one run's work (``--out``):
     their rows as they are, in the order given, each with its part's copy bandwidth; the
     parts' files, dates, versions and ceilings in ``parts``. The parts must come from one
-    device, and no step (model, dtype, batch) nor product shape may be in two of them."""
+    device, and no step (model, dtype, batch) nor product shape may be in two of them. The file
+    names the parts' device and, where the parts agree on them, their versions (a merge needs no
+    GPU)."""
     docs = [(Path(f), json.loads(Path(f).read_text())) for f in parts]
     devices = {doc["device"] for _, doc in docs}
     if len(devices) != 1:
@@ -611,7 +613,9 @@ def merge(parts) -> Path:
                 seen[key] = f.name
             rows.append({**r, "copy_GBps": copy})
     copies = [doc["ceilings"]["copy_GBps"] for _, doc in docs]
+    same = all(doc["versions"] == docs[0][1]["versions"] for _, doc in docs)  # (else each part's alone)
     return write_results("decode_step", rows, {"copy_GBps_min": min(copies), "copy_GBps_max": max(copies)},
+                         device=devices.pop(), versions_=docs[0][1]["versions"] if same else {},
                          parts=[{"file": f.name, "date": doc["date"], "versions": doc["versions"],
                                  "ceilings": doc["ceilings"]} for f, doc in docs])
 
@@ -648,7 +652,8 @@ def main():
     if args.merge:
         path = merge(args.merge)
         print(f"wrote {path}")
-        print(f"wrote {plot(*_profile_rows(json.loads(path.read_text())['rows']))}")
+        doc = json.loads(path.read_text())
+        print(f"wrote {plot(*_profile_rows(doc['rows']), device_slug(doc['device']))}")
         return
     print(banner())
     ceiling = copy_ceiling_GBps()
