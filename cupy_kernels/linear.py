@@ -566,7 +566,7 @@ def _mma_stream(B: int, N: int, K: int, tile, xin: int, logits: bool, kw: int, s
 
 
 def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats, ahead=None,
-                pace=None, trigger="start", listed=None):
+                pace=None, trigger="start", listed=None, stats_warp=False):
     fold, stats_out = stats
     sms = _build.sm_count(cupy.cuda.Device().id)
     logits = out_type == "float" and epi in ("store", "argmax")
@@ -577,6 +577,7 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
         raise ValueError(f"pace={pace} GB/s is too slow for rows of {K} values: a block's delay must fit 2**31 ps")
     if ln is not None and xin == X_PLAIN:  # normalize once, then the plain product (the same bits)
         x, ln = ln_rows(x, ln), None
+    sw = False  # one warp more for the rows' statistics (stats_warp, linear_mma_kernel only)
     if listed is not None:  # (linear_argmax's screen: one n-tile and m-tile, the folded LayerNorm)
         kern = _build.kernel(_SRC, _mma_list_name(_build.ctype(x.dtype), u))
         blocks, grid_y, threads = _build.cdiv(N, 16), 1, 32 * kw
@@ -587,11 +588,16 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
         smem, xs_stride = _stream_smem(K, kw, xin == X_LN_FOLD), _xs_stride(K)
         blocks, grid_y, threads = min(_build.cdiv(N, 16), sms), _build.cdiv(B, STREAM_ROWS), 32 * STREAM_GROUPS * kw
     else:
-        if _mma_ahead(B, N, K, nt, u, kw, xin, mt, epi, out_type == _build.ctype(x.dtype), sms, ahead):
+        in_ahead = _mma_ahead(B, N, K, nt, u, kw, xin, mt, epi, out_type == _build.ctype(x.dtype), sms, ahead)
+        if in_ahead:
             kern = _build.kernel(_SRC, _mma_ahead_name(_build.ctype(x.dtype), u, epi))
         else:
             kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, xin, epi, mt))
         blocks, grid_y, threads = _build.cdiv(N, 16 * mt), _build.cdiv(B, 8 * nt), 32 * kw
+        sw = stats_warp and not in_ahead and xin == X_LN_FOLD and nt == 1 and mt == 1 and kw < MMA_MAX_WARPS
+        if sw:  # one warp more; the statistics beside the partial tiles instead of under them
+            threads += 32
+            smem = kw * 8 * MMA_RED_STRIDE * 4 + 8 * _build.cdiv(K, STATS_COLS) * 8
     _build.set_smem(kern, smem)
     if callable(part):
         part = part(blocks)
@@ -601,14 +607,14 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
          _args(out, x, weight, bias, ln_args, res, part, kv, B, N, K)
          + (i32(xs_stride), null if fold is None else fold[0], null if stats_out is None else stats_out,
             null if fold is None else fold[1], null if fold is None else fold[2], i32(pace_ps),
-            i32(TRIGGERS.index(trigger)))
+            i32(TRIGGERS.index(trigger)), i32(sw))
          + (() if listed is None else listed),
          shared_mem=smem)
     return blocks, part
 
 
 def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats=(None, None),
-            ahead=None, pace=None, trigger="start", listed=None):
+            ahead=None, pace=None, trigger="start", listed=None, stats_warp=False):
     """Launches the product (tensor cores for 16-bit vector rows, else CUDA cores); returns
     its number of blocks and the argmax partials, made by ``part(blocks)`` when given (or
     given made: a screened LM head's, whose ``listed``, the 8-bit pass's (hi, bounds), says
@@ -618,7 +624,7 @@ def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, til
     _check_tile(tile, warps, mma)
     if mma:
         return _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, tile, warps, stats,
-                           ahead, pace, trigger, listed)
+                           ahead, pace, trigger, listed, stats_warp)
     if ahead:
         raise ValueError("ahead=True runs on tensor cores: float16 / bfloat16 rows of 16-byte vectors")
     if pace is not None:
@@ -718,7 +724,7 @@ def _stats_args(ln_fold, B: int, N: int, K: int, bias=None, ln=None, residual=No
 
 def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, residual=None, stats_out=None,
            kv_cache=None, out_dtype=None, out=None, tile=None, warps=None, ahead=None, pace=None,
-           trigger: str = "start") -> cupy.ndarray:
+           trigger: str = "start", stats_warp: bool = False) -> cupy.ndarray:
     """``y = act(norm(x) @ weight.T + bias)``, for a few rows of x.
 
     x: [B, K] contiguous; weight: [N, K] (out, in) contiguous; bias: [N] or None.
@@ -755,10 +761,15 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
     ``trigger``: under programmatic dependent launch, when the next kernel may start: "start"
     (as every block starts), "requested" (once every block has requested its first batch of W)
     or "waited" (once every block has passed its wait for the kernel ahead); never changes the
-    numbers; the streamed kernel ignores it.
+    numbers; the streamed kernel ignores it. ``stats_warp`` (with ``ln_fold``, up to 8 rows of
+    x on tensor cores; ignored elsewhere): each block takes one warp more, which combines its
+    rows' statistics while the others multiply (never changes the numbers; a block of one warp
+    more may leave no room beside it for the next kernel's blocks, so the caller chooses).
     """
     x, weight, bias, ln, B, N, K = _prepare(x, weight, bias, ln)
     pace = _check_pace(pace)
+    if not isinstance(stats_warp, (bool, numpy.bool_)):
+        raise TypeError(f"stats_warp must be a bool, got {stats_warp!r}")
     if not isinstance(trigger, str) or trigger not in TRIGGERS:
         raise ValueError(f"trigger must be one of {TRIGGERS}, got {trigger!r}")
     out_dtype = numpy.dtype(x.dtype if out_dtype is None else out_dtype)
@@ -789,7 +800,7 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
         raise ValueError("x has no features (K = 0)")
     epi = "residual" if residual is not None else "qkv_cache" if kv is not None else "gelu" if gelu else "store"
     _launch(x, weight, bias, ln, residual, out, None, kv, _build.ctype(out_dtype), epi, B, N, K, tile, warps, stats,
-            ahead, pace, trigger)
+            ahead, pace, trigger, stats_warp=bool(stats_warp))
     return out
 
 

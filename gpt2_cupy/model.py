@@ -323,6 +323,10 @@ DECODE_TRIGGER_EARLY_ROWS = 1
 DECODE_HEAD_SCREEN = True
 DECODE_SCREEN_ROWS = 2
 DECODE_PRODUCT_TRIGGERS = {768: {"qkv": "requested", "proj": "requested"}, 1600: {"qkv": "requested", "up": "waited"}}
+# The products with a folded LayerNorm ("qkv", "up") that take one warp more a block, which
+# combines the rows' statistics while the others multiply (linear's stats_warp=; the same
+# numbers), by width: {role: (fewest, most rows of the session)}. See NOTES ("The statistics warp").
+DECODE_STATS_WARP = {768: {"qkv": (1, 8), "up": (2, 8)}}
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -870,6 +874,7 @@ class GPT2:
             if why is None:
                 return self._record_fused_step(cache, buf)
         trig = DECODE_PRODUCT_TRIGGERS.get(C, {}) if fixed and B == 1 else {}
+        sw = {role: rows[0] <= B <= rows[1] for role, rows in DECODE_STATS_WARP.get(C, {}).items()}
         in_argmax = self.embeds_in_argmax(sampling)
         with _build.recording() as plan:
             embed_stats = stats if DECODE_EMBED_STATS else None
@@ -880,12 +885,13 @@ class GPT2:
                                     stats is not None and (i > 0 or embed_stats is not None))
                 qkv_trigger = "waited" if chained and i == 0 else trig.get("qkv", "start")
                 if cache.k_scale is None:  # keys and values go into the cache from the product's epilogue
-                    K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, trigger=qkv_trigger, **qkv_in,
-                             kv_cache={"k_cache": cache.k[i], "v_cache": cache.v[i], "positions": cache.positions,
+                    K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, trigger=qkv_trigger,
+                             stats_warp=sw.get("qkv", False), **qkv_in, kv_cache={"k_cache": cache.k[i], "v_cache": cache.v[i], "positions": cache.positions,
                                        "seq_lens": cache.lengths})
                     appended = (qkv[:, 0, 1], qkv[:, 0, 2])  # the cache's new rows, as the product wrote them
                 else:  # quantized: a row's scale needs all of its D values, which kv_append holds
-                    K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, trigger=qkv_trigger, **qkv_in)
+                    K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, trigger=qkv_trigger,
+                             stats_warp=sw.get("qkv", False), **qkv_in)
                     K.kv_append(k=qkv[:, :, 1], v=qkv[:, :, 2], start=cache.positions, seq_lens=cache.lengths,
                                 **cache.layer(i))
                     appended = None
@@ -900,6 +906,7 @@ class GPT2:
                 K.linear(buf.att.reshape(B, C), blk.attn_proj_w, blk.attn_proj_b, residual=buf.x, out=buf.x,
                          stats_out=stats, trigger=trig.get("proj", "start"))
                 K.linear(buf.x, blk.fc_w, gelu=True, out=buf.f, pace=pace, trigger=trig.get("up", "start"),
+                         stats_warp=sw.get("up", False),
                          **normalized(blk.fc_b, (blk.ln_2_w, blk.ln_2_b, eps), blk.fc_u, blk.fc_c, stats is not None))
                 K.linear(buf.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=buf.x, out=buf.x, stats_out=stats,
                          trigger=trig.get("down", "start"))

@@ -467,6 +467,11 @@ def test_linear_layernorm_folded(B, K1, C, N, dtype):
     assert all(cp.array_equal(o, outs[0]) for o in outs[1:])
     last = (stats[B - 1:].copy(), u, c, 1e-5)
     assert cp.array_equal(K.linear(res[B - 1:], wf, ln_fold=last, gelu=True)[0], outs[0][B - 1])
+    # one warp more combining the rows' statistics (up to 8 rows): the same bits
+    out = poisoned((B, N), dtype)
+    K.linear(res, wf, ln_fold=fold, gelu=True, out=out, stats_warp=True)
+    assert cp.array_equal(out, outs[0])
+    assert cp.array_equal(K.linear(res[B - 1:], wf, ln_fold=last, gelu=True, stats_warp=True)[0], outs[0][B - 1])
     # the same function as the unfolded product after a LayerNorm without parameters
     ones, zeros = cp.ones(C, dtype), cp.zeros(C, dtype)
     check(K.linear(res, wf, bf, ln=(ones, zeros, 1e-5)), pre, dtype)
@@ -479,6 +484,7 @@ def test_linear_layernorm_folded(B, K1, C, N, dtype):
     # ... and a row's logits alone, from the plain float32 store (one n-tile and m-tile)
     assert cp.array_equal(K.linear(res[B - 1:], wf, ln_fold=last, out_dtype=np.float32)[0], logits[B - 1])
     assert cp.array_equal(K.linear(res, wf, ln_fold=fold, out_dtype=np.float32), logits)
+    assert cp.array_equal(K.linear(res, wf, ln_fold=fold, out_dtype=np.float32, stats_warp=True), logits)
     # q|k|v into the cache
     if N % 3 == 0 and (N // 3) % 64 == 0:
         H, S_max = N // 3 // 64, 9
@@ -493,6 +499,15 @@ def test_linear_layernorm_folded(B, K1, C, N, dtype):
         for i in range(B):
             assert cp.array_equal(k_cache[i, :, int(at[i])], qkv[i, 1])
             assert cp.array_equal(v_cache[i, :, int(at[i])], qkv[i, 2])
+        # ... with the statistics warp: the same bits, in the output and the caches
+        k2, v2, out2 = k_cache.copy(), v_cache.copy(), poisoned((B, N), dtype)
+        lens = cp.zeros(B, np.int32)
+        for i in range(B):
+            k2[i, :, int(at[i])] = v2[i, :, int(at[i])] = np.nan
+        K.linear(res, wf, ln_fold=fold, out=out2, stats_warp=True, kv_cache={
+            "k_cache": k2, "v_cache": v2, "positions": positions, "seq_lens": lens})
+        assert cp.array_equal(out2, out) and cp.array_equal(lens, positions + 1)
+        assert cp.array_equal(k2, k_cache, equal_nan=True) and cp.array_equal(v2, v_cache, equal_nan=True)
 
 
 def test_linear_folded_layernorm_bad_inputs_raise():
@@ -707,6 +722,9 @@ def test_linear_bad_inputs_raise():
     for bad in ("late", 1, True, None):
         with pytest.raises(ValueError, match="trigger must be one of"):
             K.linear(xh, wh, trigger=bad)
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="stats_warp must be a bool"):
+            K.linear(xh, wh, stats_warp=bad)
     with pytest.raises(ValueError, match="too slow"):
         K.linear(cp.ones((1, 70000), np.float16), cp.ones((16, 70000), np.float16), pace=1)
     with pytest.raises(ValueError, match="tile"):  # tensor cores take n-tiles per pass

@@ -255,6 +255,36 @@ def test_paced_products_keep_the_tokens(small, dtype, monkeypatch):
         assert [model.generate(p, 40) for p in prompts] == plain
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_stats_warp_keeps_the_tokens(small, dtype, monkeypatch):
+    """The folded products taking one warp more for the rows' statistics (DECODE_STATS_WARP)
+    give each prompt the tokens it gets without it, alone and in a batch of three."""
+    import cupy_kernels as K
+    import gpt2_cupy.model as M
+
+    hf, _ = small
+    model = GPT2.from_hf(hf, dtype)
+    rng = np.random.default_rng(17)
+    prompts = [rng.integers(0, 50257, int(n)).tolist() for n in (1, 70, 600)]
+    seen, real = [], K.linear
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("stats_warp", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(K, "linear", spy)
+    monkeypatch.setattr(M, "DECODE_STATS_WARP", {})
+    plain = model.generate(prompts, 40)
+    assert seen and not any(seen)
+    monkeypatch.setattr(M, "DECODE_STATS_WARP", {model.config.n_embd: {"qkv": (1, 8), "up": (1, 8)}})
+    model._engine = None  # the sessions (and their recorded steps) of the setting before
+    seen.clear()
+    batch = model.generate(prompts, 40)
+    assert seen.count(True) == 2 * model.config.n_layer * recorded_steps(model)  # q|k|v and MLP up of each block
+    assert batch == plain
+    assert [model.generate(p, 40) for p in prompts] == plain
+
+
 @pytest.mark.parametrize("points", [
     {"qkv": "requested", "proj": "waited", "up": "waited", "down": "requested"},
     {"qkv": "waited", "proj": "requested", "up": "requested", "down": "waited"}], ids=["a", "b"])
