@@ -107,6 +107,13 @@ def _mma_ahead_name(c_type: str, u: int, epi: str) -> str:
     return f"linear_mma_ahead_kernel<{c_type}, {c_type}, {u}, {_EPI[epi]}>"
 
 
+def _mma_stats_warp_name(c_type: str, u: int, epi: str) -> str:
+    return f"linear_mma_stats_warp_kernel<{c_type}, {c_type}, {u}, {_EPI[epi]}>"
+
+
+STATS_WARP_EPILOGUES = ("store", "gelu", "qkv_cache")  # of linear_mma_stats_warp_kernel (outputs in x's dtype)
+
+
 def _mma_list_name(c_type: str, u: int) -> str:
     return f"linear_mma_list_kernel<{c_type}, float, {u}>"
 
@@ -161,6 +168,7 @@ _build.declare(
     ]
     + [_ln_rows_name(c) for c in _HALVES]
     + [_mma_list_name(c, u) for c in _HALVES for u in _MMA_BATCH[1]]  # (linear_argmax's screen)
+    + [_mma_stats_warp_name(c, u, epi) for c in _HALVES for u in _MMA_BATCH[1] for epi in STATS_WARP_EPILOGUES]
     + [f"linear_q8_max_kernel<{c}>" for c in _HALVES],
     pdl=True,
 )
@@ -577,7 +585,6 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
         raise ValueError(f"pace={pace} GB/s is too slow for rows of {K} values: a block's delay must fit 2**31 ps")
     if ln is not None and xin == X_PLAIN:  # normalize once, then the plain product (the same bits)
         x, ln = ln_rows(x, ln), None
-    sw = False  # one warp more for the rows' statistics (stats_warp, linear_mma_kernel only)
     if listed is not None:  # (linear_argmax's screen: one n-tile and m-tile, the folded LayerNorm)
         kern = _build.kernel(_SRC, _mma_list_name(_build.ctype(x.dtype), u))
         blocks, grid_y, threads = _build.cdiv(N, 16), 1, 32 * kw
@@ -588,16 +595,17 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
         smem, xs_stride = _stream_smem(K, kw, xin == X_LN_FOLD), _xs_stride(K)
         blocks, grid_y, threads = min(_build.cdiv(N, 16), sms), _build.cdiv(B, STREAM_ROWS), 32 * STREAM_GROUPS * kw
     else:
-        in_ahead = _mma_ahead(B, N, K, nt, u, kw, xin, mt, epi, out_type == _build.ctype(x.dtype), sms, ahead)
-        if in_ahead:
-            kern = _build.kernel(_SRC, _mma_ahead_name(_build.ctype(x.dtype), u, epi))
-        else:
-            kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, xin, epi, mt))
+        own_out = out_type == _build.ctype(x.dtype)
         blocks, grid_y, threads = _build.cdiv(N, 16 * mt), _build.cdiv(B, 8 * nt), 32 * kw
-        sw = stats_warp and not in_ahead and xin == X_LN_FOLD and nt == 1 and mt == 1 and kw < MMA_MAX_WARPS
-        if sw:  # one warp more; the statistics beside the partial tiles instead of under them
+        if _mma_ahead(B, N, K, nt, u, kw, xin, mt, epi, own_out, sms, ahead):
+            kern = _build.kernel(_SRC, _mma_ahead_name(_build.ctype(x.dtype), u, epi))
+        elif (stats_warp and xin == X_LN_FOLD and nt == 1 and mt == 1 and own_out and epi in STATS_WARP_EPILOGUES
+              and kw < MMA_MAX_WARPS):  # one warp more; the statistics beside the partial tiles, not under them
+            kern = _build.kernel(_SRC, _mma_stats_warp_name(_build.ctype(x.dtype), u, epi))
             threads += 32
             smem = kw * 8 * MMA_RED_STRIDE * 4 + 8 * _build.cdiv(K, STATS_COLS) * 8
+        else:
+            kern = _build.kernel(_SRC, _mma_name(_build.ctype(x.dtype), out_type, nt, u, xin, epi, mt))
     _build.set_smem(kern, smem)
     if callable(part):
         part = part(blocks)
@@ -607,7 +615,7 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
          _args(out, x, weight, bias, ln_args, res, part, kv, B, N, K)
          + (i32(xs_stride), null if fold is None else fold[0], null if stats_out is None else stats_out,
             null if fold is None else fold[1], null if fold is None else fold[2], i32(pace_ps),
-            i32(TRIGGERS.index(trigger)), i32(sw))
+            i32(TRIGGERS.index(trigger)))
          + (() if listed is None else listed),
          shared_mem=smem)
     return blocks, part
@@ -762,9 +770,10 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
     (as every block starts), "requested" (once every block has requested its first batch of W)
     or "waited" (once every block has passed its wait for the kernel ahead); never changes the
     numbers; the streamed kernel ignores it. ``stats_warp`` (with ``ln_fold``, up to 8 rows of
-    x on tensor cores; ignored elsewhere): each block takes one warp more, which combines its
-    rows' statistics while the others multiply (never changes the numbers; a block of one warp
-    more may leave no room beside it for the next kernel's blocks, so the caller chooses).
+    x on tensor cores, outputs in x's dtype; ignored elsewhere): each block takes one warp
+    more, which combines its rows' statistics while the others multiply (never changes the
+    numbers; a block of one warp more may leave no room beside it for the next kernel's
+    blocks, so the caller chooses).
     """
     x, weight, bias, ln, B, N, K = _prepare(x, weight, bias, ln)
     pace = _check_pace(pace)

@@ -326,7 +326,7 @@ DECODE_PRODUCT_TRIGGERS = {768: {"qkv": "requested", "proj": "requested"}, 1600:
 # The products with a folded LayerNorm ("qkv", "up") that take one warp more a block, which
 # combines the rows' statistics while the others multiply (linear's stats_warp=; the same
 # numbers), by width: {role: (fewest, most rows of the session)}. See NOTES ("The statistics warp").
-DECODE_STATS_WARP = {768: {"qkv": (1, 8), "up": (2, 8)}}
+DECODE_STATS_WARP = {768: {"qkv": (1, 8)}, 1024: {"qkv": (1, 1)}, 1600: {"qkv": (1, 1)}}
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {

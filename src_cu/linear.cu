@@ -587,14 +587,16 @@ template <int NT, int U, int XIN, int EPI, int MT> constexpr int mma_min_blocks(
         int *__restrict__ part_idx, T *__restrict__ k_cache, T *__restrict__ v_cache,                               \
         const int *__restrict__ positions, int *__restrict__ seq_lens, int H, int S_max, int B, int N, int K,       \
         int xs_stride, const float2 *stats_in, float2 *__restrict__ stats_out, const float *__restrict__ fold_u,   \
-        const float *__restrict__ fold_c, int pace_ps, int trigger, int stats_warp
+        const float *__restrict__ fold_c, int pace_ps, int trigger
 #define LINEAR_MMA_ARGS                                                                                            \
     y, x, W, bias, ln_w, ln_b, eps, res, part_val, part_idx, k_cache, v_cache, positions, seq_lens, H, S_max, B, N, \
-        K, xs_stride, stats_in, stats_out, fold_u, fold_c, pace_ps, trigger, stats_warp
+        K, xs_stride, stats_in, stats_out, fold_u, fold_c, pace_ps, trigger
 
 // The product. AHEAD: each warp requests its next batch of W before it multiplies this one
-// (W_AHEAD, or linear_mma_ahead_kernel).
-template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT, bool AHEAD, bool LISTED = false>
+// (W_AHEAD, or linear_mma_ahead_kernel). SW: the block has one warp more than the KW that
+// multiply, which combines the rows' statistics while they do (linear_mma_stats_warp_kernel).
+template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT, bool AHEAD, bool LISTED = false,
+          bool SW = false>
 __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int listed_tile = 0) {
     // the block's tile of rows of W, of how many: blockIdx.x of gridDim.x, or (LISTED,
     // linear_mma_list_kernel) listed_tile of all N's (read where used: a register less)
@@ -604,17 +606,15 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int listed_tile = 
     constexpr int TM = 16 * MT;   // rows of W per block
     static_assert(MT == 1 || EPI == STORE || EPI == ARGMAX, "several m-tiles: the LM head's epilogues");
     constexpr bool LN = XIN == X_LN;
-    // stats_warp (X_LN_FOLD, one n-tile and m-tile): the block has one warp more than the KW that
-    // multiply, which combines the rows' statistics while they do (see linear_mma_kernel)
-    const bool sw = XIN == X_LN_FOLD && NT == 1 && MT == 1 && !LISTED && stats_warp != 0;
+    static_assert(!SW || (XIN == X_LN_FOLD && NT == 1 && MT == 1 && !LISTED), "the statistics warp: one n-tile");
     extern __shared__ float4 smem4[];
-    const int KW = (blockDim.x >> 5) - (sw ? 1 : 0);
+    const int KW = (blockDim.x >> 5) - (SW ? 1 : 0);
     const int n_sets = (K + 15) / 16;  // X_LN_FOLD: statistics sets of a row
     float* red = reinterpret_cast<float*>(smem4);                      // [KW][MT][COLS][RED_STRIDE] partial tiles
     T* xs = reinterpret_cast<T*>(red + KW * MT * COLS * RED_STRIDE);  // LN: [B][xs_stride] normalized rows
     T* lnp = xs + B * xs_stride;                                       // LN: [2][K] its weight and bias
     // X_LN_FOLD: [COLS][n_sets], where the partial tiles go later (sw: after them)
-    float2* sets = reinterpret_cast<float2*>(sw ? red + KW * COLS * RED_STRIDE : red);
+    float2* sets = reinterpret_cast<float2*>(SW ? red + KW * COLS * RED_STRIDE : red);
     __shared__ float s_bias[TM];       // (X_LN_FOLD: c)
     __shared__ float s_u[TM];          // X_LN_FOLD: u
     __shared__ float s_mean[COLS], s_rstd[COLS];  // X_LN_FOLD: of the block's rows of x
@@ -631,7 +631,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int listed_tile = 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int m0 = MMA_TILE * TM, b0 = blockIdx.y * COLS;  // the block's TM rows of W, COLS rows of x
     const int n_chunks = (K + 31) / 32;
-    const int my_chunks = warp < n_chunks && warp < KW ? (n_chunks - 1 - warp) / KW + 1 : 0;
+    const int my_chunks = warp < n_chunks && (!SW || warp < KW) ? (n_chunks - 1 - warp) / KW + 1 : 0;
     bool row_a[MT], row_b[MT];  // m-tile mt: rows m0 + 16 mt + g and + 8 of W
     const T *wa_p[MT], *wb_p[MT];
 #pragma unroll
@@ -700,16 +700,16 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int listed_tile = 
     // 359.5, 32 471.5 / 473.6, 64 636.1 / 627.3; GPT-2 XL B = 1 1916.7 / 1902.8, 8 2178.6 / 2130.3.
     const bool res_staged = EPI == RESIDUAL && N % 8 == 0 && reinterpret_cast<size_t>(res) % 16 == 0;
     const int nb = min(COLS, B - b0);  // rows of x in this block
-    if constexpr (XIN == X_LN_FOLD) {
-        if (!sw) {
-            copy_row_sets(sets, stats_in, b0, nb, n_sets);
-        } else if (warp == KW) {  // the statistics warp: its own copies, combined as soon as they land
+    if constexpr (SW) {
+        if (warp == KW) {  // the statistics warp: its own copies, combined as soon as they land
             copy_row_sets(sets, stats_in, b0, nb, n_sets, lane, 32);
             cp_async_commit();
             cp_async_wait<0>();
             __syncwarp();
             rows_mean_rstd(s_mean, s_rstd, sets, n_sets, nb, K, eps, 0, 1, lane);
         }
+    } else if constexpr (XIN == X_LN_FOLD) {
+        copy_row_sets(sets, stats_in, b0, nb, n_sets);
     }
     if constexpr (EPI == RESIDUAL) {
         if (res_staged) {
@@ -786,7 +786,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int listed_tile = 
         }
     }
     cp_async_wait<0>();  // the statistics, residual values and positions of this thread
-    if (XIN == X_LN_FOLD && !sw) {  // the mean and rstd of the block's rows, 4 rows a warp at once
+    if constexpr (XIN == X_LN_FOLD && !SW) {  // the mean and rstd of the block's rows, 4 rows a warp at once
         __syncthreads();  // every thread's sets have landed
         rows_mean_rstd(s_mean, s_rstd, sets, n_sets, nb, K, eps, warp, KW, lane);
         __syncthreads();  // the sets are read: their shared memory takes the partial tiles
@@ -794,7 +794,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int listed_tile = 
     // partial tiles to shared memory (the KW warps that multiply): c[0], c[1] are row g, columns
     // 2t, 2t+1; c[2], c[3] row g + 8
 #pragma unroll
-    for (int mt = 0; mt < MT && warp < KW; ++mt) {
+    for (int mt = 0; mt < MT && (!SW || warp < KW); ++mt) {
         float* mine = red + (warp * MT + mt) * COLS * RED_STRIDE;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -895,6 +895,18 @@ template <typename T, typename OutT, int NT, int U, int XIN, int EPI, int MT>
 __global__ void __launch_bounds__(mma_max_threads<MT>(), mma_min_blocks<NT, U, XIN, EPI, MT>())
     linear_mma_kernel(LINEAR_MMA_PARAMS) {
     linear_mma<T, OutT, NT, U, XIN, EPI, MT, W_AHEAD<NT>()>(LINEAR_MMA_ARGS);
+}
+
+// One n-tile (B <= 8) with the folded LayerNorm, and one warp more than the KW that multiply: it
+// requests the rows' statistics itself after the wait and combines them (rows_mean_rstd) while
+// the others multiply, into shared memory beside the partial tiles instead of under them, so the
+// epilogue waits at one block barrier instead of three and the combine leaves the chain after
+// the wait. The same numbers as linear_mma_kernel. Measured in the decode step (linear.py's
+// stats_warp=, gpt2_cupy/model.py's DECODE_STATS_WARP, benchmarks/NOTES.md: "The statistics warp").
+template <typename T, typename OutT, int U, int EPI>
+__global__ void __launch_bounds__(mma_max_threads<1>(), mma_min_blocks<1, U, X_LN_FOLD, EPI, 1>())
+    linear_mma_stats_warp_kernel(LINEAR_MMA_PARAMS) {
+    linear_mma<T, OutT, 1, U, X_LN_FOLD, EPI, 1, false, false, true>(LINEAR_MMA_ARGS);
 }
 
 // One n-tile (B <= 8) with W a batch ahead, for products of no more tiles than SMs and rows of
