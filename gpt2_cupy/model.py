@@ -325,8 +325,17 @@ DECODE_SCREEN_ROWS = 2
 DECODE_PRODUCT_TRIGGERS = {768: {"qkv": "requested", "proj": "requested"}, 1600: {"qkv": "requested", "up": "waited"}}
 # The products with a folded LayerNorm ("qkv", "up") that take one warp more a block, which
 # combines the rows' statistics while the others multiply (linear's stats_warp=; the same
-# numbers), by width: {role: (fewest, most rows of the session)}. See NOTES ("The statistics warp").
-DECODE_STATS_WARP = {768: {"qkv": (1, 8)}, 1024: {"qkv": (1, 1)}, 1600: {"qkv": (1, 1)}}
+# numbers), by width: {role: (fewest, most rows of the session)}. H100, float16, us a sweep of
+# 512 replays from 8 cached keys on one session's buffers, none / the q|k|v / the q|k|v and
+# MLP up (benchmarks/results/stats_warp_rows-h100.json, stats_warp_sizes-h100.json): GPT-2
+# small B = 1 180.55 / 175.24 / 183.02, 2 190.34 / 185.52 / 191.83, 4 219.17 / 207.72 /
+# 204.22, 8 237.89 / 231.00 / 233.33 (bfloat16 B = 1 182.81 / 178.53 / 186.01); medium B = 1
+# 433.47 / 412.23 / 411.09; XL B = 1 1511.60 / 1477.69 / 1591.78. The MLP up's block of one
+# warp more leaves no room beside it for a block of the MLP down, which then starts late. Across
+# processes, GPT-2 small at B = 1 with this table 173.61 / 173.60 against 175.91 / 175.95 for
+# the code before it (stats_warp_main_*-h100.json); the in-session gains above are larger than
+# that by about 1.4% (NOTES, "The statistics warp"), so XL's 2.2% is not taken.
+DECODE_STATS_WARP = {768: {"qkv": (1, 8)}, 1024: {"qkv": (1, 1)}}
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {

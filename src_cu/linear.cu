@@ -2,7 +2,8 @@
 // products and the LM head, with the neighbouring element-wise work fused in. Two kernels:
 // linear_kernel on CUDA cores (float32, and 16-bit rows that are not 16-byte vectors), and
 // linear_mma_kernel on tensor cores (float16 / bfloat16), after the first; same epilogues.
-// Beside the second, three variants with its bits: linear_mma_ahead_kernel (W a batch ahead),
+// Beside the second, four variants with its bits: linear_mma_ahead_kernel (W a batch ahead),
+// linear_mma_stats_warp_kernel (a warp more a block for the folded LayerNorm's statistics),
 // linear_mma_stream_kernel (the LM head of 17 to 64 rows, W through shared memory) and
 // linear_mma_list_kernel (the exact tiles of a screened LM head, whose 8-bit pass,
 // linear_q8_max_kernel, closes this file).
@@ -49,6 +50,7 @@
 // x VEC (1, and 4 for float) x (RW, U) tiles x BR in {1, 4} x LN x EPI; linear_mma_kernel:
 // T in {__half, __nv_bfloat16} x OutT x NT n-tiles x U x XIN x EPI x MT m-tiles (2: float
 // logits at NT = 8); linear_mma_ahead_kernel: T x U x EPI (store, GELU, residual);
+// linear_mma_stats_warp_kernel: T x U x EPI (store, GELU, q|k|v into the cache), folded;
 // linear_mma_stream_kernel: T x XIN (plain, folded) x EPI (store, argmax), float logits;
 // linear_mma_list_kernel: T x U (folded, argmax); linear_q8_max_kernel: T;
 // ln_rows_kernel: T (cupy_kernels/linear.py, where each launch shape is chosen, with the

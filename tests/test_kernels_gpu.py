@@ -13,6 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled")]
 
 cp = pytest.importorskip("cupy")
 import cupy_kernels as K  # noqa: E402
+from cupy_kernels import _build  # noqa: E402
 from cupy_kernels import reference as ref  # noqa: E402
 from gpu_util import DTYPES, check, poisoned, rand  # noqa: E402
 
@@ -471,6 +472,10 @@ def test_linear_layernorm_folded(B, K1, C, N, dtype):
     out = poisoned((B, N), dtype)
     K.linear(res, wf, ln_fold=fold, gelu=True, out=out, stats_warp=True)
     assert cp.array_equal(out, outs[0])
+    with _build.recording() as plan:  # ... from blocks of one warp more
+        K.linear(res, wf, ln_fold=fold, gelu=True)
+        K.linear(res, wf, ln_fold=fold, gelu=True, stats_warp=True)
+    assert plan[1].block[0] == plan[0].block[0] + (32 if B <= 8 else 0)
     assert cp.array_equal(K.linear(res[B - 1:], wf, ln_fold=last, gelu=True, stats_warp=True)[0], outs[0][B - 1])
     # the same function as the unfolded product after a LayerNorm without parameters
     ones, zeros = cp.ones(C, dtype), cp.zeros(C, dtype)
