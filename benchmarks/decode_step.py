@@ -302,7 +302,8 @@ def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, in
     roles, li = [], 0
     for launch in plan:
         name = _kernel_name(launch)
-        if name in ("linear_kernel", "linear_mma_kernel", "linear_mma_ahead_kernel", "linear_mma_stream_kernel"):
+        if name in ("linear_kernel", "linear_mma_kernel", "linear_mma_ahead_kernel", "linear_mma_stats_warp_kernel",
+                    "linear_mma_stream_kernel"):
             N, Kd = int(launch.args[linear_mod.ARG_N]), int(launch.args[linear_mod.ARG_K])
             role = "lm_head" if N == cfg.vocab_size else layer[li % 4]
             li += role != "lm_head"
