@@ -839,7 +839,8 @@ class GPT2:
         Bias, GELU, the residual add and the KV-cache append run in the products' epilogues, and so does
         LayerNorm in 16-bit models (folded into the weights; the products that update the
         residual stream, and the embedding, leave its row statistics, from which the next
-        product's epilogue normalizes), but in float32 models: there each block of the product
+        product's epilogue normalizes; DECODE_STATS_WARP: products whose blocks take one warp more
+        to combine those statistics), but in float32 models: there each block of the product
         normalizes the rows itself up to 16 sequences, a launch of its own does it past that
         (the same bits)."""
         cfg = self.config
@@ -895,7 +896,8 @@ class GPT2:
                 qkv_trigger = "waited" if chained and i == 0 else trig.get("qkv", "start")
                 if cache.k_scale is None:  # keys and values go into the cache from the product's epilogue
                     K.linear(buf.x, blk.attn_w, out=buf.qkv, pace=pace, trigger=qkv_trigger,
-                             stats_warp=sw.get("qkv", False), **qkv_in, kv_cache={"k_cache": cache.k[i], "v_cache": cache.v[i], "positions": cache.positions,
+                             stats_warp=sw.get("qkv", False), **qkv_in,
+                             kv_cache={"k_cache": cache.k[i], "v_cache": cache.v[i], "positions": cache.positions,
                                        "seq_lens": cache.lengths})
                     appended = (qkv[:, 0, 1], qkv[:, 0, 2])  # the cache's new rows, as the product wrote them
                 else:  # quantized: a row's scale needs all of its D values, which kv_append holds

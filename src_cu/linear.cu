@@ -615,7 +615,7 @@ __device__ __forceinline__ void linear_mma(LINEAR_MMA_PARAMS, int listed_tile = 
     float* red = reinterpret_cast<float*>(smem4);                      // [KW][MT][COLS][RED_STRIDE] partial tiles
     T* xs = reinterpret_cast<T*>(red + KW * MT * COLS * RED_STRIDE);  // LN: [B][xs_stride] normalized rows
     T* lnp = xs + B * xs_stride;                                       // LN: [2][K] its weight and bias
-    // X_LN_FOLD: [COLS][n_sets], where the partial tiles go later (sw: after them)
+    // X_LN_FOLD: [COLS][n_sets], where the partial tiles go later (SW: after them)
     float2* sets = reinterpret_cast<float2*>(SW ? red + KW * COLS * RED_STRIDE : red);
     __shared__ float s_bias[TM];       // (X_LN_FOLD: c)
     __shared__ float s_u[TM];          // X_LN_FOLD: u
