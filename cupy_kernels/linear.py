@@ -586,7 +586,7 @@ def _launch_mma(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K,
     if ln is not None and xin == X_PLAIN:  # normalize once, then the plain product (the same bits)
         x, ln = ln_rows(x, ln), None
     if listed is not None:  # (linear_argmax's screen: one n-tile and m-tile, the folded LayerNorm)
-        kern = _build.kernel(_SRC, _mma_list_name(_build.ctype(x.dtype), u))
+        kern = _build.kernel(_SRC, _mma_list_name(_build.ctype(x.dtype), SCREEN_EXACT_BATCH))
         blocks, grid_y, threads = _build.cdiv(N, 16), 1, 32 * kw
         grid_x = min(blocks, sms)
     elif _mma_stream(B, N, K, tile, xin, logits, kw, sms, _build.smem_optin(),
@@ -769,8 +769,9 @@ def linear(x, weight, bias=None, *, gelu: bool = False, ln=None, ln_fold=None, r
     ``trigger``: under programmatic dependent launch, when the next kernel may start: "start"
     (as every block starts), "requested" (once every block has requested its first batch of W)
     or "waited" (once every block has passed its wait for the kernel ahead); never changes the
-    numbers; the streamed kernel ignores it. ``stats_warp`` (with ``ln_fold``, up to 8 rows of
-    x on tensor cores, outputs in x's dtype; ignored elsewhere): each block takes one warp
+    numbers; the streamed kernel ignores it. ``stats_warp`` (with ``ln_fold`` on tensor cores,
+    outputs in x's dtype, where each block takes 8 rows of x: always up to 8 rows, past them
+    when the grid's size keeps one n-tile a block; ignored elsewhere): each block takes one warp
     more, which combines its rows' statistics while the others multiply (never changes the
     numbers; a block of one warp more may leave no room beside it for the next kernel's
     blocks, so the caller chooses).
@@ -878,6 +879,14 @@ def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, o
 
 
 SCREEN_MAX_ROWS = 8  # linear.cu's: rows of x a screened LM head takes
+# Chunks of 32 values a warp of the exact tiles' kernel (linear_mma_list_kernel) requests at
+# once: all of its chunks of a row (at most 8: _check_screen), so that a listed tile's weights
+# come in one round trip; the LM head's own plan takes 4 (its 3,142 blocks are not one wave),
+# which split GPT-2 small's 6 chunks a warp and XL's 7 into two. H100, us a sweep of 512 replays
+# from 8 cached keys on one session's buffers, float16 B = 1, two rounds each against the plan's
+# (benchmarks/results/screen_exact_batch-h100.json): GPT-2 small 173.29 / 173.45 against 174.10 /
+# 173.84, XL 1500.10 / 1499.34 against 1500.33 / 1500.44.
+SCREEN_EXACT_BATCH = 8
 _Q8_TILE = 16  # rows of W a tile of linear_q8_max_kernel (and of linear_mma_kernel at one m-tile)
 _Q8_CHUNKS = 8  # linear.cu's Q8_BATCH: chunks of 32 values a warp takes of each row
 
