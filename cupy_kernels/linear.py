@@ -84,6 +84,14 @@ STREAM_GROUPS = 4  # warp groups of a block (each KW warps on 16 of the 64 rows 
 STREAM_CHUNKS = 6  # linear.cu: chunks of 32 columns a warp of linear_mma_stream_kernel takes at most
 STREAM_RED_STRIDE = 24  # linear.cu's: floats a row of x takes in a partial tile
 _STREAM_STATIC_SMEM = 1024  # its static shared memory: the rows' mean, rstd and best (value, index)
+# Chunks of 32 values a warp of the exact tiles' kernel (linear_mma_list_kernel) requests at
+# once: all of its chunks of a row (at most 8: _check_screen), so that a listed tile's weights
+# come in one round trip; the LM head's own plan takes 4 (its 3,142 blocks are not one wave),
+# which split GPT-2 small's 6 chunks a warp and XL's 7 into two. H100, us a sweep of 512 replays
+# from 8 cached keys on one session's buffers, float16 B = 1, two rounds each against the plan's
+# (benchmarks/results/screen_exact_batch-h100.json): GPT-2 small 173.29 / 173.45 against 174.10 /
+# 173.84, XL 1500.10 / 1499.34 against 1500.33 / 1500.44.
+SCREEN_EXACT_BATCH = 8
 
 
 def _name(c_type: str, out_type: str, vec: int, tile: tuple[int, int], br: int, ln: bool, epi: str) -> str:
@@ -167,7 +175,7 @@ _build.declare(
         _mma_stream_name(c, xin, epi) for c in _HALVES for xin in (X_PLAIN, X_LN_FOLD) for epi in ("store", "argmax")
     ]
     + [_ln_rows_name(c) for c in _HALVES]
-    + [_mma_list_name(c, u) for c in _HALVES for u in _MMA_BATCH[1]]  # (linear_argmax's screen)
+    + [_mma_list_name(c, SCREEN_EXACT_BATCH) for c in _HALVES]  # (linear_argmax's screen)
     + [_mma_stats_warp_name(c, u, epi) for c in _HALVES for u in _MMA_BATCH[1] for epi in STATS_WARP_EPILOGUES]
     + [f"linear_q8_max_kernel<{c}>" for c in _HALVES],
     pdl=True,
@@ -879,14 +887,6 @@ def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, o
 
 
 SCREEN_MAX_ROWS = 8  # linear.cu's: rows of x a screened LM head takes
-# Chunks of 32 values a warp of the exact tiles' kernel (linear_mma_list_kernel) requests at
-# once: all of its chunks of a row (at most 8: _check_screen), so that a listed tile's weights
-# come in one round trip; the LM head's own plan takes 4 (its 3,142 blocks are not one wave),
-# which split GPT-2 small's 6 chunks a warp and XL's 7 into two. H100, us a sweep of 512 replays
-# from 8 cached keys on one session's buffers, float16 B = 1, two rounds each against the plan's
-# (benchmarks/results/screen_exact_batch-h100.json): GPT-2 small 173.29 / 173.45 against 174.10 /
-# 173.84, XL 1500.10 / 1499.34 against 1500.33 / 1500.44.
-SCREEN_EXACT_BATCH = 8
 _Q8_TILE = 16  # rows of W a tile of linear_q8_max_kernel (and of linear_mma_kernel at one m-tile)
 _Q8_CHUNKS = 8  # linear.cu's Q8_BATCH: chunks of 32 values a warp takes of each row
 

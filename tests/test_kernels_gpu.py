@@ -468,7 +468,7 @@ def test_linear_layernorm_folded(B, K1, C, N, dtype):
     assert all(cp.array_equal(o, outs[0]) for o in outs[1:])
     last = (stats[B - 1:].copy(), u, c, 1e-5)
     assert cp.array_equal(K.linear(res[B - 1:], wf, ln_fold=last, gelu=True)[0], outs[0][B - 1])
-    # one warp more combining the rows' statistics (up to 8 rows): the same bits
+    # one warp more combining the rows' statistics (blocks of one n-tile): the same bits
     out = poisoned((B, N), dtype)
     K.linear(res, wf, ln_fold=fold, gelu=True, out=out, stats_warp=True)
     assert cp.array_equal(out, outs[0])
