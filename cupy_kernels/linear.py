@@ -27,8 +27,22 @@ _EPI = {"store": 0, "gelu": 1, "residual": 2, "argmax": 3, "qkv_cache": 4}
 BATCH_ROWS = (1, 4)
 # (RW rows of W a warp works on at once, U 16-byte loads per row and lane in flight; the next
 # U are requested once these are used). Which one a shape gets: _tile.
-TILES = ((2, 4), (4, 2), (1, 8))
+TILES = ((2, 4), (4, 2), (1, 8), (1, 24))
 WARPS = (4, 8)
+# float32 rows longer than one batch of (1, 8) (K > 1024 at 16-byte vectors: GPT-2's MLP down,
+# medium's to XL's products without a LayerNorm prologue) take FLOAT_LONG_TILE in blocks of
+# FLOAT_LONG_WARPS warps, so that a warp requests up to 3,072 columns of its row at once (the
+# first batch before the wait, under programmatic launch) instead of one batch of 1,024 after
+# another; each lane adds its columns in the same order either way (linear.cu), so the numbers
+# do not change. None: (1, 8) in 8 warps. (132-148 registers on sm_80-90, no spill.) H200,
+# float32, us a sweep of 512 replays from 8 cached keys on one session's buffers, (1, 24) in 8
+# / 4 warps against (1, 8) in 8 (benchmarks/results/float_long_tile-h200.json): GPT-2 small at
+# batch 1 280.13 / 290.88 against 293.87 (calls 288.6 / 301.1 against 302.9 us a token), at
+# batch 8 1110.87 / 1161.91 against 1151.75; medium at batch 1 708.30 / 724.77 against 739.45.
+# (GPT-2 small's float32 MLP down had added 6.3 us a layer to the step, its MLP up, of the same
+# bytes, 4.1: decode_step-h200.json.)
+FLOAT_LONG_TILE = (1, 24)
+FLOAT_LONG_WARPS = 8
 _SCALAR_TILE = (1, 8)  # the unaligned (element-wise) path
 LN_CHUNKS = 2  # linear.cu: a LayerNorm row is at most LN_CHUNKS vectors per thread
 
@@ -218,10 +232,13 @@ def _tile(N: int, K: int, itemsize: int, ln: bool = False) -> tuple[tuple[int, i
     all four lost (float32, B = 1, graph with PDL, one run: GPT-2 small 441.5 against 425.2
     us, XL 4006.9 against 3878.8: twice the blocks each normalize the row), for the MLP down
     alone it won (401.0 and 3792.7); this rule (1 x 8 in 8 warps for the products without
-    the prologue) measured 380.5 and 3647.5 in a later run."""
+    the prologue) measured 380.5 and 3647.5 in a later run. Rows of more than one batch of
+    (1, 8) take FLOAT_LONG_TILE (above: one batch of up to 3,072 columns a warp)."""
     if N >= 16384:
         return (4, 2), 8
     if itemsize == 4 and not ln:
+        if FLOAT_LONG_TILE is not None and K > 32 * 4 * 8:
+            return FLOAT_LONG_TILE, FLOAT_LONG_WARPS
         return (1, 8), 8
     return (2, 4), 4
 

@@ -209,6 +209,22 @@ def test_gemm_tiles_fill_the_gpu():
     assert all(t.smem_bytes <= 99 * 1024 for t in (TILES[gemm_tiles(12, 768, 132)], TILES[gemm_tiles(9000, 9000, 1)]))
 
 
+def test_float32_long_rows_take_one_batch_a_warp():
+    """CUDA-core products of float32 rows longer than one batch of (1, 8) (1,024 columns at
+    16-byte vectors) take FLOAT_LONG_TILE, a declared tile; shorter rows, LayerNorm prologues
+    and the LM head keep theirs."""
+    import importlib
+
+    lin = importlib.import_module("cupy_kernels.linear")
+    long_rows = (lin.FLOAT_LONG_TILE, lin.FLOAT_LONG_WARPS)
+    assert lin.FLOAT_LONG_TILE in lin.TILES and lin.FLOAT_LONG_WARPS in lin.WARPS
+    assert lin._tile(768, 3072, 4) == lin._tile(1600, 6400, 4) == lin._tile(1024, 1025, 4) == long_rows
+    assert lin._tile(768, 768, 4) == lin._tile(1024, 1024, 4) == ((1, 8), 8)
+    assert lin._tile(3072, 1600, 4, ln=True) == ((2, 4), 4)
+    assert lin._tile(50257, 1600, 4) == ((4, 2), 8)
+    assert lin._tile(768, 3072, 2) == ((2, 4), 4)  # (16-bit rows on CUDA cores)
+
+
 def test_streamed_lm_head_takes_its_shapes():
     """linear_mma_stream_kernel: GPT-2 small's LM head from 17 to 64 rows on an H100-like GPU
     (132 SMs, 227 KiB of shared memory a block); not for fewer or more rows, wider rows, short
