@@ -29,8 +29,8 @@ BATCH_ROWS = (1, 4)
 # U are requested once these are used). Which one a shape gets: _tile.
 TILES = ((2, 4), (4, 2), (1, 8), (1, 24))
 WARPS = (4, 8)
-# float32 rows longer than one batch of (1, 8) (K > 1024 at 16-byte vectors: GPT-2's MLP down,
-# medium's to XL's products without a LayerNorm prologue) take FLOAT_LONG_TILE in blocks of
+# float32 rows longer than one batch of (1, 8) (K > 1024 at 16-byte vectors: the MLP down of
+# every GPT-2 size, large's and XL's attention projection) take FLOAT_LONG_TILE in blocks of
 # FLOAT_LONG_WARPS warps, so that a warp requests up to 3,072 columns of its row at once (the
 # first batch before the wait, under programmatic launch) instead of one batch of 1,024 after
 # another; each lane adds its columns in the same order either way (linear.cu), so the numbers
