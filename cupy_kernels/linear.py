@@ -27,7 +27,7 @@ _EPI = {"store": 0, "gelu": 1, "residual": 2, "argmax": 3, "qkv_cache": 4}
 BATCH_ROWS = (1, 4)
 # (RW rows of W a warp works on at once, U 16-byte loads per row and lane in flight; the next
 # U are requested once these are used). Which one a shape gets: _tile.
-TILES = ((2, 4), (4, 2), (1, 8), (1, 24))
+TILES = ((2, 4), (4, 2), (1, 8), (1, 24), (2, 6))
 WARPS = (4, 8)
 # float32 rows longer than one batch of (1, 8) (K > 1024 at 16-byte vectors: the MLP down of
 # every GPT-2 size, large's and XL's attention projection) take FLOAT_LONG_TILE in blocks of
@@ -43,6 +43,13 @@ WARPS = (4, 8)
 # bytes, 4.1: decode_step-h200.json.)
 FLOAT_LONG_TILE = (1, 24)
 FLOAT_LONG_WARPS = 8
+# float32 rows with the LayerNorm prologue longer than one batch of (2, 4) (K > 512) and at most
+# one of FLOAT_LN_TILE (GPT-2 small's q|k|v and MLP up, K = 768, which took two batches at
+# (2, 4)) take it in blocks of 4 warps: a warp requests its two rows whole before it waits; the
+# same bits. None: (2, 4). H200, float32, us a sweep as above, (2, 6) against (2, 4)
+# (benchmarks/results/float_ln_tile-h200.json): GPT-2 small at batch 1 269.12 against 279.85
+# (calls 282.2 against 293.0 us a token), at batch 8 1082.69 against 1108.41.
+FLOAT_LN_TILE = (2, 6)
 _SCALAR_TILE = (1, 8)  # the unaligned (element-wise) path
 LN_CHUNKS = 2  # linear.cu: a LayerNorm row is at most LN_CHUNKS vectors per thread
 
@@ -233,13 +240,16 @@ def _tile(N: int, K: int, itemsize: int, ln: bool = False) -> tuple[tuple[int, i
     us, XL 4006.9 against 3878.8: twice the blocks each normalize the row), for the MLP down
     alone it won (401.0 and 3792.7); this rule (1 x 8 in 8 warps for the products without
     the prologue) measured 380.5 and 3647.5 in a later run. Rows of more than one batch of
-    (1, 8) take FLOAT_LONG_TILE (above: one batch of up to 3,072 columns a warp)."""
+    (1, 8) take FLOAT_LONG_TILE (above: one batch of up to 3,072 columns a warp); rows with the
+    prologue of 513-768 values take FLOAT_LN_TILE (above: one batch of two rows a warp)."""
     if N >= 16384:
         return (4, 2), 8
     if itemsize == 4 and not ln:
         if FLOAT_LONG_TILE is not None and K > 32 * 4 * 8:
             return FLOAT_LONG_TILE, FLOAT_LONG_WARPS
         return (1, 8), 8
+    if itemsize == 4 and FLOAT_LN_TILE is not None and 32 * 4 * 4 < K <= 32 * 4 * FLOAT_LN_TILE[1]:
+        return FLOAT_LN_TILE, 4
     return (2, 4), 4
 
 

@@ -225,6 +225,22 @@ def test_float32_long_rows_take_one_batch_a_warp():
     assert lin._tile(768, 3072, 2) == ((2, 4), 4)  # (16-bit rows on CUDA cores)
 
 
+def test_float32_layernorm_rows_of_small_take_one_batch_a_warp():
+    """CUDA-core products of float32 rows with the LayerNorm prologue longer than one batch of
+    (2, 4) and at most one of FLOAT_LN_TILE (GPT-2 small's q|k|v and MLP up) take it, a declared
+    tile; shorter and longer rows and rows without the prologue keep theirs."""
+    import importlib
+
+    lin = importlib.import_module("cupy_kernels.linear")
+    assert lin.FLOAT_LN_TILE in lin.TILES
+    ln_rows = (lin.FLOAT_LN_TILE, 4)
+    assert lin._tile(2304, 768, 4, ln=True) == lin._tile(3072, 768, 4, ln=True) == ln_rows
+    assert lin._tile(100, 513, 4, ln=True) == ln_rows
+    assert lin._tile(2304, 512, 4, ln=True) == lin._tile(3072, 1024, 4, ln=True) == ((2, 4), 4)
+    assert lin._tile(2304, 768, 4) == ((1, 8), 8)
+    assert lin._tile(2304, 768, 2, ln=True) == ((2, 4), 4)  # (16-bit rows on CUDA cores)
+
+
 def test_streamed_lm_head_takes_its_shapes():
     """linear_mma_stream_kernel: GPT-2 small's LM head from 17 to 64 rows on an H100-like GPU
     (132 SMs, 227 KiB of shared memory a block); not for fewer or more rows, wider rows, short
