@@ -903,8 +903,9 @@ __global__ void __launch_bounds__(mma_max_threads<MT>(), mma_min_blocks<NT, U, X
 // multiply: it requests the rows' statistics itself after the wait and combines them
 // (rows_mean_rstd) while the others multiply, into shared memory beside the partial tiles
 // instead of under them, so the epilogue waits at one block barrier instead of three and the
-// combine leaves the chain after the wait. The same numbers as linear_mma_kernel. Measured in the decode step (linear.py's
-// stats_warp=, gpt2_cupy/model.py's DECODE_STATS_WARP, benchmarks/NOTES.md: "The statistics warp").
+// combine leaves the chain after the wait. The same numbers as linear_mma_kernel. Measured in
+// the decode step (linear.py's stats_warp=, gpt2_cupy/model.py's DECODE_STATS_WARP,
+// benchmarks/NOTES.md: "The statistics warp").
 template <typename T, typename OutT, int U, int EPI>
 __global__ void __launch_bounds__(mma_max_threads<1>(), mma_min_blocks<1, U, X_LN_FOLD, EPI, 1>())
     linear_mma_stats_warp_kernel(LINEAR_MMA_PARAMS) {
