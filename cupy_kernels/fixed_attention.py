@@ -1,8 +1,8 @@
 """Decoding attention whose bits do not depend on its block width: the decode step's
-attention for 16-bit models and caches, its width following the batch.
+attention for models whose cache has their dtype, its width following the batch.
 
-Kernel: ``src_cu/fixed_attention.cu`` (each tile of 16 keys' sums rounded once to 64-bit fixed
-point, the tiles added as integers). Tests: ``tests/test_fixed_attention_gpu.py``.
+Kernel: ``src_cu/fixed_attention.cu`` (each tile of 16 keys' sums, 8 in float32, rounded once
+to 64-bit fixed point, the tiles added as integers). Tests: ``tests/test_fixed_attention_gpu.py``.
 Benchmarks: ``benchmarks/fixed_attention.py``, ``benchmarks/step_variants.py``.
 """
 
@@ -25,7 +25,7 @@ def _name(c_type: str, threads: int) -> str:
     return f"fixed_attention_kernel<{c_type}, {threads}>"
 
 
-_build.declare(_SRC, [_name(c, t) for c in _build.CTYPES.values() if c != "float" for t in THREADS], pdl=True)
+_build.declare(_SRC, [_name(c, t) for c in _build.CTYPES.values() for t in THREADS], pdl=True)
 
 
 def fixed_attention(q, k_cache, v_cache, seq_lens, *, threads: int = 128, positions=None, trigger_early: bool = False,
@@ -33,7 +33,7 @@ def fixed_attention(q, k_cache, v_cache, seq_lens, *, threads: int = 128, positi
     """``softmax(q . K[:len] / 8) V[:len]`` for each sequence and head, with the same bits for
     every ``threads`` (128, 256 or 512 a block).
 
-    q: [B, H, 64] float16 / bfloat16 (rows may be strided, e.g. the q of a q|k|v row);
+    q: [B, H, 64] float32 / float16 / bfloat16 (rows may be strided, e.g. the q of a q|k|v row);
     k_cache, v_cache: contiguous [B, H, S_max, 64] in q's dtype, S_max <= 1024; seq_lens: int32
     [B], the keys of each sequence (at most S_max; 0 gives zeros). positions (int32 [B] or
     None): in a decode step, the row the kernel ahead appends to each sequence (seq_lens =
@@ -43,8 +43,6 @@ def fixed_attention(q, k_cache, v_cache, seq_lens, *, threads: int = 128, positi
     instead of after that wait (the same numbers). Returns out [B, H, 64] in q's dtype (a NaN
     or infinity in the rows read gives NaN)."""
     q = _checks.float_array(q, "q", ndim=3, contiguous=False)
-    if q.dtype.itemsize != 2:
-        raise TypeError(f"fixed_attention takes float16 or bfloat16 q, got {q.dtype}")
     B, H, D = q.shape
     if D != HEAD_DIM or q.strides[2] != q.itemsize or q.strides[1] != D * q.itemsize:
         raise ValueError(f"q must be [B, H, {HEAD_DIM}] with contiguous heads (any batch stride), got shape "

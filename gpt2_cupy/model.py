@@ -273,6 +273,9 @@ DECODE_EMBED_IN_ARGMAX = True
 # the persistent kernel computes its bits.
 DECODE_FIXED_ATTENTION = True
 DECODE_FIXED_THREADS = ((4, 512), (16, 256), (None, 128))
+# float32 models with float32 caches too (tiles of 8 keys, the fixed point following the sums:
+# src_cu/fixed_attention.cu), instead of decode_attention in blocks of DECODE_WIDE_THREADS.
+DECODE_FIXED_FLOAT32 = True
 # In sessions of up to this many rows, fixed_attention lets the next kernel (the attention
 # projection, which requests its weights as it starts) start once its blocks have requested
 # their cache rows, before its wait for the q|k|v product, instead of after that wait
@@ -806,8 +809,9 @@ class GPT2:
         """Whether the decode step's attention on ``cache`` is fixed_attention (DECODE_FIXED_ATTENTION):
         a function of the model and the cache dtype alone, never of the batch or the cache bucket."""
         cfg = self.config
-        return bool(DECODE_FIXED_ATTENTION and self.dtype.itemsize == 2 and cache.k.dtype == self.dtype
-                    and cfg.head_dim == FIXED_HEAD_DIM and cfg.n_positions <= FIXED_MAX_KEYS and not self.fused_step)
+        return bool(DECODE_FIXED_ATTENTION and (self.dtype.itemsize == 2 or DECODE_FIXED_FLOAT32)
+                    and cache.k.dtype == self.dtype and cfg.head_dim == FIXED_HEAD_DIM
+                    and cfg.n_positions <= FIXED_MAX_KEYS and not self.fused_step)
 
     def embeds_in_argmax(self, sampling) -> bool:
         """Whether a chained decode step's embedding runs in the argmax of the step before
@@ -883,7 +887,7 @@ class GPT2:
             why = K.decode_step_unsupported(self.dtype, C, H, threads)
             if why is None:
                 return self._record_fused_step(cache, buf)
-        trig = DECODE_PRODUCT_TRIGGERS.get(C, {}) if fixed and B == 1 else {}
+        trig = DECODE_PRODUCT_TRIGGERS.get(C, {}) if fixed and B == 1 and self.dtype.itemsize == 2 else {}
         sw = {role: rows[0] <= B <= rows[1] for role, rows in DECODE_STATS_WARP.get(C, {}).items()}
         in_argmax = self.embeds_in_argmax(sampling)
         with _build.recording() as plan:

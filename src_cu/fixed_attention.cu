@@ -1,18 +1,27 @@
 // fixed_attention.cu - decoding attention whose bits do not depend on its block width: the
-// decode step's attention for 16-bit caches, whose block width can then follow the batch.
+// decode step's attention, whose block width can then follow the batch.
 //
 //   out[b, h] = sum_s p_s v_s / sum_s p_s,   p_s = 2^(score_s - M),  M = max_s score_s,
 //   score_s = (q . k_s) scale log2(e)
 //
-// The unit of work is a tile of 16 keys, run by one warp whatever the width: 4 groups of 8
-// lanes, each group 4 keys (16 t + 4 group + u), each key's dot product over the 8 lanes' 8
-// dimensions in order and an xor tree over the group. One pass: a warp loads a tile's keys and
+// The unit of work is a tile of keys, run by one warp whatever the width: each lane holds 16
+// bytes of a key's row (VEC dimensions: 8 of a 16-bit row, 4 of a float32 one), so a key takes
+// LPK = 64 / VEC lanes, and the warp's GROUPS = 32 / LPK groups of lanes take 4 keys each: tiles
+// of TILE_KEYS = 4 GROUPS keys (16 in 16-bit, 8 in float32), key TILE_KEYS t + 4 group + u, each
+// key's dot product over its lanes' VEC dimensions in order and an xor tree over the group.
+// One pass: a warp loads a tile's keys and
 // values together (two tiles in flight), takes the tile's maximum m_t (exact in any order),
 // p = 2^(score - m_t) and the tile's sum p v and sum p in float32 in a fixed order (keys u =
 // 0..3, then the groups' xor tree: every lane ends with the same bits), and keeps them with
 // m_t in shared memory. Then M, the maximum of the m_t (exact in any order); each tile's sums
-// times 2^(m_t - M), rounded once to 64-bit fixed point (x 2^32, 2.3e-10 absolute), are added
-// as integers, by the warp that made them and then across warps. Integer addition is exact, so
+// times 2^(m_t - M), rounded once to 64-bit fixed point, are added as integers, by the warp that
+// made them and then across warps. The point: 2^32 for the sums of p (at most 1 a key) and for
+// the sums of p v of 16-bit rows (2.3e-10 absolute; their values are bounded, below); for the
+// sums of p v of float32 rows, whose values are not, a power of two chosen from a bound on
+// every tile's sums (the maximum over tiles of the binary exponent of the tile's largest sum
+// plus m_t, exact in any order), so that the integers cannot overflow and the largest sum keeps
+// 54 bits whether the values are near 1e-38 or 1e38; the quotient is scaled back by the two
+// points' ratio, a power of two. Integer addition is exact, so
 // the output is the same for every block width (THREADS): the tiles' placement changes, their
 // values and the sums do not. A sequence gets the same numbers in a batch of one, run by 512
 // threads, as in a batch of 64, run by 128 (gpt2_cupy/model.py, DECODE_FIXED_THREADS).
@@ -28,9 +37,9 @@
 // requested those rows (before its wait): the same numbers either way.
 //
 // Layout: q [B, H, 64] (rows q_sb elements apart); k_cache, v_cache [B, H, S_max, 64] in q's
-// dtype (float16 / bfloat16), S_max <= 1024; seq_lens [B]; out [B, H, 64]. Grid (H, B).
-// Bytes: every key and value row once (2 x 128 bytes a key); FLOPs 4 x 64 a key.
-// Specializations: T in {__half, __nv_bfloat16} x THREADS in {128, 256, 512}.
+// dtype (float32 / float16 / bfloat16), S_max <= 1024; seq_lens [B]; out [B, H, 64]. Grid (H, B).
+// Bytes: every key and value row once (2 x 64 x sizeof(T) a key); FLOPs 4 x 64 a key.
+// Specializations: T in {float, __half, __nv_bfloat16} x THREADS in {128, 256, 512}.
 // Wrapper: cupy_kernels/fixed_attention.py   Tests: tests/test_fixed_attention_gpu.py
 // Benchmark: benchmarks/fixed_attention.py, benchmarks/step_variants.py
 #include "common.cuh"
@@ -39,34 +48,46 @@ using namespace g2c;
 
 namespace {
 constexpr int HD = 64;
-constexpr int TILE_KEYS = 16;
 constexpr int MAX_KEYS = 1024;
-constexpr float FIX = 4294967296.0f;  // 2^32
+constexpr float FIX = 4294967296.0f;  // 2^32: 16-bit rows' fixed point
 
-template <typename T> __device__ __forceinline__ void unpack8(const uint4& raw, float (&v)[8]) {
+template <typename T> struct Tiling {
+    static constexpr int VEC = 16 / sizeof(T);        // dimensions a lane holds (one 16-byte load)
+    static constexpr int LPK = HD / VEC;              // lanes a key
+    static constexpr int GROUPS = 32 / LPK;           // keys a warp takes at once
+    static constexpr int TILE_KEYS = 4 * GROUPS;      // a tile: 4 keys a group
+    static constexpr int TILES = MAX_KEYS / TILE_KEYS;
+};
+
+template <typename T, int N> __device__ __forceinline__ void unpack(const uint4& raw, float (&v)[N]) {
+    static_assert(N * sizeof(T) == 16, "a 16-byte load");
     const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = to_float(e[i]);
+    for (int i = 0; i < N; ++i) v[i] = to_float(e[i]);
 }
 }  // namespace
 
+// (float32: a minimum of one block an SM, which changes no limit, moves ptxas's allocation off a
+// 12-byte spill at 128 threads on sm_90, 96 registers; the 16-bit kernels keep their code.)
 template <typename T, int THREADS>
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(THREADS, sizeof(T) == 4 ? 1 : 0)
     fixed_attention_kernel(T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_cache,
                            const T* __restrict__ v_cache, const int* __restrict__ seq_lens, int H, int S_max,
                            float scale, long long q_sb, const int* __restrict__ positions, int early) {
     constexpr int WARPS = THREADS / 32;
-    __shared__ float s_o[MAX_KEYS / TILE_KEYS][HD];  // each tile's sum p v, sum p and maximum
-    __shared__ float s_l[MAX_KEYS / TILE_KEYS], s_m[MAX_KEYS / TILE_KEYS];
-    __shared__ float s_wmax[WARPS];
-    __shared__ float s_bmax;
+    constexpr int VEC = Tiling<T>::VEC, LPK = Tiling<T>::LPK, TILE_KEYS = Tiling<T>::TILE_KEYS;
+    constexpr bool WIDE = sizeof(T) == 4;  // float32 rows: the fixed point follows the sums (above)
+    __shared__ float s_o[Tiling<T>::TILES][HD];  // each tile's sum p v, sum p and maximum
+    __shared__ float s_l[Tiling<T>::TILES], s_m[Tiling<T>::TILES];
+    __shared__ float s_wmax[WARPS], s_wbound[WARPS];
+    __shared__ float s_bmax, s_bbound;
     __shared__ long long s_warp[WARPS][HD + 1];  // each warp's fixed-point sums: p v [64], p
     __shared__ bool s_finite[WARPS];
     const int h = blockIdx.x, b = blockIdx.y;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 8, sub = lane % 8;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPK, sub = lane % LPK;
     const long long row0 = (static_cast<long long>(b) * H + h) * S_max;
-    const T* kc = k_cache + row0 * HD + sub * 8;
-    const T* vc = v_cache + row0 * HD + sub * 8;
+    const T* kc = k_cache + row0 * HD + sub * VEC;
+    const T* vc = v_cache + row0 * HD + sub * VEC;
     auto load_rows = [&](const T* base, int t, int end, uint4 (&rows)[4]) {
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -110,10 +131,10 @@ __global__ void __launch_bounds__(THREADS)
             }
         }
     }
-    float qv[8];
-    unpack8<T>(*reinterpret_cast<const uint4*>(q + b * q_sb + static_cast<long long>(h) * HD + sub * 8), qv);
+    float qv[VEC];
+    unpack<T>(*reinterpret_cast<const uint4*>(q + b * q_sb + static_cast<long long>(h) * HD + sub * VEC), qv);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) qv[i] *= scale * LOG2E;
+    for (int i = 0; i < VEC; ++i) qv[i] *= scale * LOG2E;
     const int len = min(seq_lens[b], rows_max);
     const int tiles = (len + TILE_KEYS - 1) / TILE_KEYS;
 #pragma unroll
@@ -126,48 +147,59 @@ __global__ void __launch_bounds__(THREADS)
     // One pass over the warp's tiles, two in flight: each tile's keys and values together, its
     // scores, their maximum m_t (exact in any order), p = 2^(score - m_t), and sum p v, sum p
     // in float32 in a fixed order (keys u = 0..3, then the groups' xor tree: every lane ends
-    // with the same bits), kept in shared memory with m_t.
-    float wmax = -INFINITY;
+    // with the same bits), kept in shared memory with m_t. float32 rows: each lane also keeps
+    // the largest binary exponent of its sums plus m_t (wbound).
+    float wmax = -INFINITY, wbound = -INFINITY;
     auto do_tile = [&](const uint4 (&kr)[4], const uint4 (&vr)[4], int t) {
         float sc[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const int s = t * TILE_KEYS + grp * 4 + u;
-            float kf[8];
-            unpack8<T>(kr[u], kf);
+            float kf[VEC];
+            unpack<T>(kr[u], kf);
             float d = 0.0f;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) d = __fmaf_rn(qv[i], kf[i], d);
+            for (int i = 0; i < VEC; ++i) d = __fmaf_rn(qv[i], kf[i], d);
 #pragma unroll
-            for (int off = 4; off > 0; off >>= 1) d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, off));
+            for (int off = LPK / 2; off > 0; off >>= 1) d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, off));
             sc[u] = s < len ? d : -INFINITY;
         }
         float mt = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
-        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 8));
-        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 16));
-        float o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int off = LPK; off < 32; off <<= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) o[i] = 0.0f;
         float l = 0.0f;
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const float p = sc[u] == -INFINITY ? 0.0f : exp2_approx(sc[u] - mt);
-            float vf[8];
-            unpack8<T>(vr[u], vf);
+            float vf[VEC];
+            unpack<T>(vr[u], vf);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) o[i] = __fmaf_rn(p, vf[i], o[i]);
+            for (int i = 0; i < VEC; ++i) o[i] = __fmaf_rn(p, vf[i], o[i]);
             l = __fadd_rn(l, p);
         }
 #pragma unroll
-        for (int off = 8; off < 32; off <<= 1) {  // the tile's four groups
+        for (int off = LPK; off < 32; off <<= 1) {  // the tile's groups
 #pragma unroll
-            for (int i = 0; i < 8; ++i) o[i] = __fadd_rn(o[i], __shfl_xor_sync(0xffffffffu, o[i], off));
+            for (int i = 0; i < VEC; ++i) o[i] = __fadd_rn(o[i], __shfl_xor_sync(0xffffffffu, o[i], off));
             l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, off));
         }
         if (grp == 0) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) s_o[t][sub * 8 + i] = o[i];
+            for (int i = 0; i < VEC; ++i) s_o[t][sub * VEC + i] = o[i];
             if (sub == 0) s_m[t] = mt, s_l[t] = l;
         }
         wmax = fmaxf(wmax, mt);
+        if constexpr (WIDE) {  // |sum| < 2^e (e: the biased exponent - 126; subnormals and 0 take
+                               // -126); scaled by 2^(m_t - M), < 2^(e + m_t - M)
+            float big = 0.0f;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) big = fmaxf(big, fabsf(o[i]));
+            const int e = max((__float_as_int(big) >> 23) & 0xff, 1) - 126;
+            wbound = fmaxf(wbound, static_cast<float>(e) + mt);
+        }
     };
     if (t0 < tiles) do_tile(k0, v0, t0);
     load_rows(kc, t0 + 2 * stride, len, k0);
@@ -186,14 +218,38 @@ __global__ void __launch_bounds__(THREADS)
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, off));
     if (lane == 0) s_wmax[warp] = wmax;
+    if constexpr (WIDE) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) wbound = fmaxf(wbound, __shfl_xor_sync(0xffffffffu, wbound, off));
+        if (lane == 0) s_wbound[warp] = wbound;
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
-        float m = -INFINITY;
-        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, s_wmax[w]);
+        float m = -INFINITY, bound = -INFINITY;
+        for (int w = 0; w < WARPS; ++w) {
+            m = fmaxf(m, s_wmax[w]);
+            if constexpr (WIDE) bound = fmaxf(bound, s_wbound[w]);
+        }
         s_bmax = m;
+        s_bbound = bound;
     }
     __syncthreads();
     const float M = s_bmax;
+    // float32's point for the sums of p v, 2^k: every scaled sum is below 2^E, E = ceil(bound -
+    // M) + 1 (one for the rounding of e + m_t), and at most TILES = 2^7 of them add up, so k =
+    // 55 - E keeps the total under 2^62. (E >= -124: the tile holding M has e >= -125; the clamp
+    // only keeps the powers below representable.) The scaling by 2^k, and back by 2^(32 - k),
+    // goes in two exact steps, each a power of two a float holds. A bound that is not finite
+    // comes with a sum that is not: the output is NaN either way.
+    float fix_a = 1.0f, fix_b = 1.0f, back_a = 1.0f, back_b = 1.0f;
+    if constexpr (WIDE) {
+        static_assert(Tiling<T>::TILES <= 128, "the fixed point's headroom");
+        const float E = ceilf(s_bbound - M) + 1.0f;
+        const int k = isfinite(E) ? 55 - static_cast<int>(fminf(fmaxf(E, -160.0f), 160.0f)) : 0;  // [-105, 215]
+        auto pow2 = [](int n) { return __int_as_float((n + 127) << 23); };  // n in [-126, 127]
+        fix_a = pow2(k / 2), fix_b = pow2(k - k / 2);
+        back_a = pow2((32 - k) / 2), back_b = pow2(32 - k - (32 - k) / 2);
+    }
 
     // Each tile's sums scaled to the maximum, 2^(m_t - M), rounded once to 64-bit fixed point and
     // added as integers by the warp that made them: lane i takes dimensions i and i + 32.
@@ -204,15 +260,21 @@ __global__ void __launch_bounds__(THREADS)
     // H100, benchmarks/results/fixed_attention_prewait*-h100.json.)
     // A sum that is not finite (a NaN or infinity in the rows) would convert to a finite
     // integer: the warp flags it and the output is NaN. (Finite 16-bit rows cannot overflow:
-    // |sum p v| <= 16 x 65504 a tile, under 2^21; 64 tiles of it x 2^32 stay under 2^63.)
+    // |sum p v| <= 16 x 65504 a tile, under 2^21; 64 tiles of it x 2^32 stay under 2^63.
+    // float32 rows: their point, above.)
     long long acc0 = 0, acc1 = 0, acc_l = 0;
     bool finite = true;
     for (int t = t0; t < tiles; t += stride) {
         const float sc = exp2_approx(s_m[t] - M);
         const float a = __fmul_rn(s_o[t][lane], sc), c = __fmul_rn(s_o[t][lane + 32], sc), l = __fmul_rn(s_l[t], sc);
         finite = finite && isfinite(a) && isfinite(c) && isfinite(l);
-        acc0 += __float2ll_rn(a * FIX);
-        acc1 += __float2ll_rn(c * FIX);
+        if constexpr (WIDE) {
+            acc0 += __float2ll_rn(__fmul_rn(__fmul_rn(a, fix_a), fix_b));
+            acc1 += __float2ll_rn(__fmul_rn(__fmul_rn(c, fix_a), fix_b));
+        } else {
+            acc0 += __float2ll_rn(a * FIX);
+            acc1 += __float2ll_rn(c * FIX);
+        }
         acc_l += __float2ll_rn(l * FIX);
     }
     s_warp[warp][lane] = acc0;
@@ -227,7 +289,12 @@ __global__ void __launch_bounds__(THREADS)
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) num += s_warp[w][threadIdx.x], den += s_warp[w][HD], ok = ok && s_finite[w];
         const float d = __ll2float_rn(den);
-        out[(static_cast<long long>(b) * H + h) * HD + threadIdx.x] =
-            from_float<T>(!ok ? __int_as_float(0x7fc00000) : d > 0.0f ? __fdiv_rn(__ll2float_rn(num), d) : 0.0f);
+        if constexpr (WIDE) {
+            const float r = d > 0.0f ? __fmul_rn(__fmul_rn(__fdiv_rn(__ll2float_rn(num), d), back_a), back_b) : 0.0f;
+            out[(static_cast<long long>(b) * H + h) * HD + threadIdx.x] = !ok ? __int_as_float(0x7fc00000) : r;
+        } else {
+            out[(static_cast<long long>(b) * H + h) * HD + threadIdx.x] =
+                from_float<T>(!ok ? __int_as_float(0x7fc00000) : d > 0.0f ? __fdiv_rn(__ll2float_rn(num), d) : 0.0f);
+        }
     }
 }
