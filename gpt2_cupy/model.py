@@ -253,8 +253,8 @@ DECODE_EMBED_STATS = True
 # buffers, with / without (benchmarks/results/embed_in_argmax-h100.json): GPT-2 small float16
 # at batch 1 186.12 / 186.49 (calls 188.0 / 188.3 us a token), XL 1516.00 / 1516.01.
 DECODE_EMBED_IN_ARGMAX = True
-# The decode step's attention in 16-bit models with 16-bit caches (head_dim 64, at most 1,024
-# positions): fixed_attention, whose bits do not depend on its block width, so that the width
+# The decode step's attention in models with caches of their dtype (16-bit, and float32 with
+# DECODE_FIXED_FLOAT32; head_dim 64, at most 1,024 positions): fixed_attention, whose bits do not depend on its block width, so that the width
 # follows the batch (DECODE_FIXED_THREADS: (most sequences, threads), the first that holds B).
 # decode_attention's bits depend on its width and chunks, so one of them had to serve every
 # batch: 128 threads, where 512 won at batch 1 and lost at 8 (_decode_attention_shape). H100,
@@ -274,7 +274,13 @@ DECODE_EMBED_IN_ARGMAX = True
 DECODE_FIXED_ATTENTION = True
 DECODE_FIXED_THREADS = ((4, 512), (16, 256), (None, 128))
 # float32 models with float32 caches too (tiles of 8 keys, the fixed point following the sums:
-# src_cu/fixed_attention.cu), instead of decode_attention in blocks of DECODE_WIDE_THREADS.
+# src_cu/fixed_attention.cu), instead of decode_attention in blocks of DECODE_WIDE_THREADS; the
+# widths of DECODE_FIXED_THREADS, the products' triggers at their start (DECODE_PRODUCT_TRIGGERS
+# is for 16-bit models). H200, GPT-2 small float32, us a sweep of 512 replays from 8 cached keys
+# on one session's buffers, on / off (benchmarks/results/fixed_float32-h200.json, a build whose
+# p v and p sums shared one point; this one differs only in those sums' rounding): batch 1
+# 264.27 / 271.94 (calls 276.1 / 285.1 us a token), 256 threads at batch 1 279.26; batch 8
+# 1095.08 / 1085.80.
 DECODE_FIXED_FLOAT32 = True
 # In sessions of up to this many rows, fixed_attention lets the next kernel (the attention
 # projection, which requests its weights as it starts) start once its blocks have requested
