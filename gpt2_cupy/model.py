@@ -253,8 +253,9 @@ DECODE_EMBED_STATS = True
 # buffers, with / without (benchmarks/results/embed_in_argmax-h100.json): GPT-2 small float16
 # at batch 1 186.12 / 186.49 (calls 188.0 / 188.3 us a token), XL 1516.00 / 1516.01.
 DECODE_EMBED_IN_ARGMAX = True
-# The decode step's attention in models with caches of their dtype (16-bit, and float32 with
-# DECODE_FIXED_FLOAT32; head_dim 64, at most 1,024 positions): fixed_attention, whose bits do not depend on its block width, so that the width
+# The decode step's attention in models with caches of their dtype (16-bit; float32 with
+# DECODE_FIXED_FLOAT32; head_dim 64, at most 1,024 positions): fixed_attention, whose bits do
+# not depend on its block width, so that the width
 # follows the batch (DECODE_FIXED_THREADS: (most sequences, threads), the first that holds B).
 # decode_attention's bits depend on its width and chunks, so one of them had to serve every
 # batch: 128 threads, where 512 won at batch 1 and lost at 8 (_decode_attention_shape). H100,
@@ -274,14 +275,15 @@ DECODE_EMBED_IN_ARGMAX = True
 DECODE_FIXED_ATTENTION = True
 DECODE_FIXED_THREADS = ((4, 512), (16, 256), (None, 128))
 # float32 models with float32 caches too (tiles of 8 keys, the fixed point following the sums:
-# src_cu/fixed_attention.cu), instead of decode_attention in blocks of DECODE_WIDE_THREADS; the
-# widths of DECODE_FIXED_THREADS, the products' triggers at their start (DECODE_PRODUCT_TRIGGERS
-# is for 16-bit models). H200, GPT-2 small float32, us a sweep of 512 replays from 8 cached keys
-# on one session's buffers, on / off (benchmarks/results/fixed_float32-h200.json, a build whose
-# p v and p sums shared one point; this one differs only in those sums' rounding): batch 1
-# 264.27 / 271.94 (calls 276.1 / 285.1 us a token), 256 threads at batch 1 279.26; batch 8
-# 1095.08 / 1085.80.
-DECODE_FIXED_FLOAT32 = True
+# src_cu/fixed_attention.cu), instead of decode_attention in blocks of DECODE_WIDE_THREADS, with
+# these widths ((most sequences, threads) as DECODE_FIXED_THREADS; None: decode_attention); the
+# products' triggers at their start (DECODE_PRODUCT_TRIGGERS) are for 16-bit models. H200,
+# GPT-2 small float32, us a sweep of 512 replays from 8 cached keys on one session's buffers
+# (benchmarks/results/fixed_float32_2-h200.json): batch 1 264.59 (512 threads) against 271.94
+# with decode_attention (calls 273.5 / 280.9 us a token); batch 8 1074.08 (512) / 1095.47 (256)
+# / 1124.59 (128) against 1086.27. (The first build, whose p v and p sums shared one point:
+# 256 threads at batch 1 279.26 against 264.27 at 512, fixed_float32-h200.json.)
+DECODE_FIXED_FLOAT32 = ((8, 512), (16, 256), (None, 128))
 # In sessions of up to this many rows, fixed_attention lets the next kernel (the attention
 # projection, which requests its weights as it starts) start once its blocks have requested
 # their cache rows, before its wait for the q|k|v product, instead of after that wait
@@ -886,7 +888,8 @@ class GPT2:
         def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm
             return dict(ln_fold=(stats, u, c, eps)) if folded else dict(bias=b, ln=ln)
 
-        fixed = next(t for most, t in DECODE_FIXED_THREADS if most is None or B <= most) \
+        widths = DECODE_FIXED_THREADS if self.dtype.itemsize == 2 else DECODE_FIXED_FLOAT32
+        fixed = next(t for most, t in widths if most is None or B <= most) \
             if self.uses_fixed_attention(cache) else 0  # its threads a block
         if ((self.fused_step if fused is None else fused) and B == 1 and sampling is None and cache.k_scale is None
                 and self.folded and DECODE_EMBED_STATS):  # (the fused step's layer 0 folds, as record_step's with it)

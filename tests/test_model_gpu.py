@@ -154,7 +154,7 @@ def test_attention_trips_ahead_keep_the_tokens(small, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_fixed_attention_width_follows_the_batch(small, dtype, monkeypatch):
     """Models with caches of their dtype decode with fixed_attention, its block width by batch
-    (DECODE_FIXED_THREADS), and each sequence gets the tokens it gets alone; a quantized cache
+    (DECODE_FIXED_THREADS; float32: DECODE_FIXED_FLOAT32), and each sequence gets the tokens it gets alone; a quantized cache
     and a model with fused_step on keep decode_attention."""
     import cupy_kernels as K
     import gpt2_cupy.model as M
@@ -170,13 +170,14 @@ def test_fixed_attention_width_follows_the_batch(small, dtype, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(K, "fixed_attention", spy)
+    widths = M.DECODE_FIXED_FLOAT32 if dtype == "float32" else M.DECODE_FIXED_THREADS
     alone = [model.generate(p, 30) for p in prompts[:3]]
-    assert set(seen) == {M.DECODE_FIXED_THREADS[0][1]}
+    assert set(seen) == {widths[0][1]}
     for rows in (9, 20):
         seen.clear()
         assert model.generate(prompts[:rows], 30)[:3] == alone
         bucket = 1 << (rows - 1).bit_length()
-        assert set(seen) == {next(t for most, t in M.DECODE_FIXED_THREADS if most is None or bucket <= most)}
+        assert set(seen) == {next(t for most, t in widths if most is None or bucket <= most)}
     seen.clear()
     model.generate(prompts[:2], 5, kv_cache_dtype="int8")
     model.fused_step = True
