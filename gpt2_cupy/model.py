@@ -137,7 +137,7 @@ SHORT_RECORDS = PLANS // 2
 # B = 1 211.9 / 241.1 / 246.3 / 261.9 against 220.7 / 232.0 / 257.3 / 287.6, XL 1543.8 / 1670.8
 # / 1703.3 / 1750.4 against 1557.7 / 1576.1 / 1687.2 / 1812.2.
 DECODE_SPLIT_KEYS = 512
-DECODE_WIDE_THREADS = 512  # the decode step's attention block for a float32 cache (_decode_attention_shape)
+DECODE_WIDE_THREADS = 512  # decode_attention's block for a float32 cache (_decode_attention_shape; DECODE_FIXED_FLOAT32 None)
 # The decode step's attention keeps AHEAD_DEEP sets of loop trips in flight ahead instead of
 # one (decode_attention.cuh, attend's AHEAD; the same numbers) at batches of up to
 # DECODE_AHEAD_BATCH for models at least this wide. H100, float16, the step with PDL at 64 /
@@ -334,6 +334,12 @@ DECODE_TRIGGER_EARLY_ROWS = 1
 DECODE_HEAD_SCREEN = True
 DECODE_SCREEN_ROWS = 2
 DECODE_PRODUCT_TRIGGERS = {768: {"qkv": "requested", "proj": "requested"}, 1600: {"qkv": "requested", "up": "waited"}}
+# The same for float32 models with float32 caches (their fixed_attention step; CUDA-core products):
+# none gained. H200, GPT-2 small float32 at batch 1, us a sweep as above, against 264.81 / 264.96
+# with every product at "start" (benchmarks/results/float32_triggers-h200.json): the q|k|v
+# "requested" 264.70, "waited" 265.52; the q|k|v and projection "requested" 266.60; the MLP up
+# "waited" 265.71; the MLP down "requested" 265.17; all four "requested" 267.19.
+DECODE_PRODUCT_TRIGGERS_FLOAT32 = {}
 # The products with a folded LayerNorm ("qkv", "up") that take one warp more a block, which
 # combines the rows' statistics while the others multiply (linear's stats_warp=; the same
 # numbers), by width: {role: (fewest, most rows of the session)}. H100, float16, us a sweep of
@@ -896,7 +902,8 @@ class GPT2:
             why = K.decode_step_unsupported(self.dtype, C, H, threads)
             if why is None:
                 return self._record_fused_step(cache, buf)
-        trig = DECODE_PRODUCT_TRIGGERS.get(C, {}) if fixed and B == 1 and self.dtype.itemsize == 2 else {}
+        triggers = DECODE_PRODUCT_TRIGGERS if self.dtype.itemsize == 2 else DECODE_PRODUCT_TRIGGERS_FLOAT32
+        trig = triggers.get(C, {}) if fixed and B == 1 else {}
         sw = {role: rows[0] <= B <= rows[1] for role, rows in DECODE_STATS_WARP.get(C, {}).items()}
         in_argmax = self.embeds_in_argmax(sampling)
         with _build.recording() as plan:
