@@ -24,7 +24,8 @@
 // points' ratio, a power of two. Integer addition is exact, so
 // the output is the same for every block width (THREADS): the tiles' placement changes, their
 // values and the sums do not. A sequence gets the same numbers in a batch of one, run by 512
-// threads, as in a batch of 64, run by 128 (gpt2_cupy/model.py, DECODE_FIXED_THREADS).
+// threads, as in a batch of 64, run by 128 (gpt2_cupy/model.py, DECODE_FIXED_THREADS;
+// float32: DECODE_FIXED_FLOAT32).
 //
 // Programmatic dependent launch: each warp's first two tiles are requested before
 // griddep_wait(). With positions (a decode step: the row the q|k|v product appends for each
