@@ -255,8 +255,8 @@ DECODE_EMBED_STATS = True
 DECODE_EMBED_IN_ARGMAX = True
 # The decode step's attention in models with caches of their dtype (16-bit; float32 with
 # DECODE_FIXED_FLOAT32; head_dim 64, at most 1,024 positions): fixed_attention, whose bits do
-# not depend on its block width, so that the width
-# follows the batch (DECODE_FIXED_THREADS: (most sequences, threads), the first that holds B).
+# not depend on its block width, so that the width follows the batch (DECODE_FIXED_THREADS:
+# (most sequences, threads), the first that holds B).
 # decode_attention's bits depend on its width and chunks, so one of them had to serve every
 # batch: 128 threads, where 512 won at batch 1 and lost at 8 (_decode_attention_shape). H100,
 # float16, us a sweep of 512 replays from 8 cached keys on one session's buffers, against

@@ -19,7 +19,6 @@ from cupy_kernels.fixed_attention import THREADS  # noqa: E402
 from gpu_util import DTYPES, check, poisoned, rand  # noqa: E402
 
 
-
 def make(rng, lens, H, S, dtype, scale=2.0):
     """q [B, H, 64], caches [B, H, S, 64] with rows >= lens[b] poisoned, their float64 values."""
     B = len(lens)

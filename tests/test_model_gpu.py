@@ -154,8 +154,8 @@ def test_attention_trips_ahead_keep_the_tokens(small, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_fixed_attention_width_follows_the_batch(small, dtype, monkeypatch):
     """Models with caches of their dtype decode with fixed_attention, its block width by batch
-    (DECODE_FIXED_THREADS; float32: DECODE_FIXED_FLOAT32), and each sequence gets the tokens it gets alone; a quantized cache
-    and a model with fused_step on keep decode_attention."""
+    (DECODE_FIXED_THREADS; float32: DECODE_FIXED_FLOAT32), and each sequence gets the tokens it
+    gets alone; a quantized cache and a model with fused_step on keep decode_attention."""
     import cupy_kernels as K
     import gpt2_cupy.model as M
 
