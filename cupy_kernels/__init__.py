@@ -16,7 +16,7 @@ from .gemm import gemm
 from .gelu import bias_add, bias_gelu
 from .kv_cache import kv_advance, kv_append, kv_storage_dtype
 from .layernorm import layernorm, layernorm_residual
-from .linear import fold_layernorm, linear, linear_argmax, linear_tiles, quantize_rows, unpack_rows
+from .linear import fold_layernorm, linear, linear_argmax, linear_tiles, quantize_rows, screens_float, unpack_rows
 from .read_floor import read_floor, read_under_load
 from .sampling import argmax, publish_tokens, sample
 from .softmax import softmax
@@ -43,6 +43,7 @@ __all__ = [
     "linear_argmax",
     "linear_tiles",
     "quantize_rows",
+    "screens_float",
     "unpack_rows",
     "publish_tokens",
     "read_floor",

@@ -164,6 +164,11 @@ def _variants(c_type: str):
 
 
 _HALVES = [c for c in _build.CTYPES.values() if c != "float"]
+# The screened LM head of float32 rows (linear_argmax's screen=, linear.cu's linear_q8f_max_kernel):
+# the product's tile and block (the LM head's, _tile), 8-byte pieces a lane takes of a row at
+# most (K <= 256 x _Q8F_PIECES), and the exact blocks' kernel.
+_Q8F_TILE, _Q8F_WARPS, _Q8F_PIECES = (4, 2), 8, 8
+_Q8F_LIST_NAME = ("float", "linear_list_kernel")
 _build.declare(
     _SRC,
     [
@@ -198,7 +203,9 @@ _build.declare(
     + [_ln_rows_name(c) for c in _HALVES]
     + [_mma_list_name(c, SCREEN_EXACT_BATCH) for c in _HALVES]  # (linear_argmax's screen)
     + [_mma_stats_warp_name(c, u, epi) for c in _HALVES for u in _MMA_BATCH[1] for epi in STATS_WARP_EPILOGUES]
-    + [f"linear_q8_max_kernel<{c}>" for c in _HALVES],
+    + [f"linear_q8_max_kernel<{c}>" for c in _HALVES]
+    + [f"linear_q8f_max_kernel<{p}>" for p in range(1, _Q8F_PIECES + 1)]  # (float32 rows' screen)
+    + [_name(_Q8F_LIST_NAME[0], "float", 4, _Q8F_TILE, 1, True, "argmax").replace("linear_kernel", _Q8F_LIST_NAME[1])],
     pdl=True,
 )
 _ARGMAX_SRC = "sampling.cu"
@@ -677,14 +684,21 @@ def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, til
                         "16-byte aligned): the tensor-core product")
     vec, tile, warps = _geometry(x, weight, N, K, tile, warps, ln)
     br = _batch_rows(B, K)
-    kern = _build.kernel(_SRC, _name(_build.ctype(x.dtype), out_type, vec, tile, br, ln is not None, epi))
+    name = _name(_build.ctype(x.dtype), out_type, vec, tile, br, ln is not None, epi)
+    if listed is not None:  # (linear_argmax's screen of float32 rows: the blocks it lists, with their bits)
+        name = name.replace("linear_kernel", _Q8F_LIST_NAME[1])
+    kern = _build.kernel(_SRC, name)
     smem = br * K * 4
     _build.set_smem(kern, smem)
     blocks = _grid(N, tile, warps)
-    if part is not None:
+    if part is not None and callable(part):
         part = part(blocks)
-    kern((blocks,), (32 * warps,), _args(out, x, weight, bias, ln, res, part, kv, B, N, K)
-         + (i32(TRIGGERS.index(trigger)),), shared_mem=smem)
+    args = _args(out, x, weight, bias, ln, res, part, kv, B, N, K) + (i32(TRIGGERS.index(trigger)),)
+    grid = blocks
+    if listed is not None:
+        grid = min(blocks, 2 * _build.sm_count(cupy.cuda.Device().id))
+        args += (i32(blocks),) + tuple(listed)
+    kern((grid,), (32 * warps,), args, shared_mem=smem)
     return blocks, part
 
 
@@ -874,14 +888,16 @@ def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, o
     :func:`~cupy_kernels.embedding.embedding` with ``stats_out`` does (x_out [B, C], stats_out
     float32 [B, ceil(C / 16), 2]; the same bits); an index past wte's or wpe's rows reads
     their last row. x_out may be x (the kernel writes it after the product has read it).
-    ``screen`` (:func:`quantize_rows` of weight; with ``ln_fold``, tensor cores, 1 to 8 rows,
-    no ``logits``, ``tile`` or ``warps``): the same tokens, with W read at 8 bits a value
-    first and at its own width only on the tiles of 16 rows that may hold a row's largest
-    value (linear.cu, "The screened LM head": bounds, not estimates).
+    ``screen`` (:func:`quantize_rows` of weight; no ``logits``, ``tile`` or ``warps``): the
+    same tokens, with W read at 8 bits a value first and at its own width only on the tiles of
+    rows that may hold a row's largest value (bounds, not estimates). float16 / bfloat16: with
+    ``ln_fold``, tensor cores, 1 to 8 rows, tiles of 16 rows (linear.cu, "The screened LM
+    head"); float32: with ``ln``, one row, K a multiple of 8 up to 2,048, the LM head's tile
+    (N >= 16384), blocks of 32 rows (linear.cu, "The screened LM head of float32 models").
     """
     x, weight, bias, ln, B, N, K = _prepare(x, weight, bias, ln)
     if screen is not None:
-        screen = _check_screen(screen, x, weight, N, K, B, ln_fold, logits, tile, warps)
+        screen = _check_screen(screen, x, weight, N, K, B, ln, ln_fold, logits, tile, warps)
     if logits is not None:
         logits = _checks.output(logits, "logits", (B, N), numpy.float32)
     out = _checks.output(out, "out", (B,), numpy.int32)
@@ -897,7 +913,10 @@ def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, o
     part = lambda blocks: (cupy.empty((B, blocks), dtype=numpy.float32),  # noqa: E731
                            cupy.empty((B, blocks), dtype=numpy.int32))
     listed = None
-    if screen is not None:  # the 8-bit pass's bounds, then the exact tiles where they may hold the largest
+    if screen is not None and x.dtype == numpy.float32:  # the 8-bit pass, then the exact blocks listed
+        part = part(_grid(N, _Q8F_TILE, _Q8F_WARPS))
+        listed = _screen_pass_float(x, screen, bias, ln, N, K)
+    elif screen is not None:  # the 8-bit pass's bounds, then the exact tiles where they may hold the largest
         part = part(_build.cdiv(N, _Q8_TILE))
         listed = _screen_pass(x, screen, ln_fold, B, N, K)
     blocks, part = _launch(x, weight, bias, ln, None, logits, part, None, "float", "argmax", B, N, K, tile, warps,
@@ -919,17 +938,18 @@ _Q8_CHUNKS = 8  # linear.cu's Q8_BATCH: chunks of 32 values a warp takes of each
 
 
 def quantize_rows(weight) -> tuple:
-    """``(q, scale)`` of a 16-bit weight [N, K] for :func:`linear_argmax`'s ``screen``:
+    """``(q, scale)`` of a weight [N, K] for :func:`linear_argmax`'s ``screen``:
     q[n, k] = round(w[n, k] / scale[n]) + 128 as bytes, scale = max |w| / 127 of each row
     (float32 [N]; 1 for a row of zeros, NaN for a row with a value that is not finite, which
-    then takes the exact path). q is laid out as the 8-bit pass reads it (linear.cu, "The
-    screened LM head"): uint8 [ceil(N / 16), ceil(K / 32) x 512], a row for each tile of 16
-    rows, in pieces of 512 bytes for each chunk of 32 columns, where bytes 16 (4 g + t) to
-    16 (4 g + t) + 15 hold row g's columns 8 t .. 8 t + 7, then row g + 8's (g < 8, t < 4);
-    128 (zero) past N and K. :func:`unpack_rows` gives q back as [N, K]."""
+    then takes the exact path). float32 weights: q is uint8 [N, K], row by row. float16 /
+    bfloat16: q is laid out as the tensor-core 8-bit pass reads it (linear.cu, "The screened
+    LM head"): uint8 [ceil(N / 16), ceil(K / 32) x 512], a row for each tile of 16 rows, in
+    pieces of 512 bytes for each chunk of 32 columns, where bytes 16 (4 g + t) to 16 (4 g +
+    t) + 15 hold row g's columns 8 t .. 8 t + 7, then row g + 8's (g < 8, t < 4); 128 (zero)
+    past N and K; :func:`unpack_rows` gives it back as [N, K]."""
     weight = _checks.float_array(weight, "weight", ndim=2)
-    if weight.dtype.itemsize != 2:
-        raise TypeError(f"weight must be float16 or bfloat16, got {weight.dtype}")
+    if weight.dtype != numpy.float32 and weight.dtype.itemsize != 2:
+        raise TypeError(f"weight must be float32, float16 or bfloat16, got {weight.dtype}")
     N, K = weight.shape
     w = weight.astype(numpy.float32)
     amax = cupy.abs(w).max(axis=1)
@@ -937,17 +957,20 @@ def quantize_rows(weight) -> tuple:
     scale = cupy.where(amax > 0, amax / numpy.float32(127), numpy.float32(1)).astype(numpy.float32)
     q = cupy.rint(w / cupy.where(finite, scale, numpy.float32(1))[:, None]).clip(-127, 127)
     q = (cupy.where(finite[:, None], q, 0) + 128).astype(numpy.uint8)
+    scale = cupy.where(finite, scale, numpy.float32(numpy.nan)).astype(numpy.float32)
+    if weight.dtype == numpy.float32:
+        return cupy.ascontiguousarray(q), scale
     tiles, chunks = _build.cdiv(N, _Q8_TILE), _build.cdiv(K, 32)
     full = cupy.full((tiles * _Q8_TILE, chunks * 32), 128, dtype=numpy.uint8)
     full[:N, :K] = q
     # [tile, half (rows g / g + 8), g, chunk, t, byte] -> [tile, chunk, g, t, half, byte]
     packed = full.reshape(tiles, 2, 8, chunks, 4, 8).transpose(0, 3, 2, 4, 1, 5)
-    return (cupy.ascontiguousarray(packed).reshape(tiles, chunks * 512),
-            cupy.where(finite, scale, numpy.float32(numpy.nan)).astype(numpy.float32))
+    return cupy.ascontiguousarray(packed).reshape(tiles, chunks * 512), scale
 
 
 def unpack_rows(q, N: int, K: int):
-    """:func:`quantize_rows`' q as uint8 [N, K] (q + 128 of each row), from its tile layout."""
+    """:func:`quantize_rows`' q of a 16-bit weight as uint8 [N, K] (q + 128 of each row), from
+    its tile layout."""
     tiles, chunks = _build.cdiv(N, _Q8_TILE), _build.cdiv(K, 32)
     if q.shape != (tiles, chunks * 512):
         raise ValueError(f"q of [{N}, {K}] must be [{tiles}, {chunks * 512}], got {list(q.shape)}")
@@ -955,10 +978,12 @@ def unpack_rows(q, N: int, K: int):
     return full[:N, :K]
 
 
-def _check_screen(screen, x, weight, N: int, K: int, B: int, ln_fold, logits, tile, warps) -> tuple:
+def _check_screen(screen, x, weight, N: int, K: int, B: int, ln, ln_fold, logits, tile, warps) -> tuple:
     if not (isinstance(screen, (tuple, list)) and len(screen) == 2):
         raise TypeError("screen must be quantize_rows' (q, scale)")
     q, scale = _checks.as_array(screen[0], "screen's q"), _checks.as_array(screen[1], "screen's scale")
+    if x.dtype == numpy.float32:
+        return _check_screen_float(q, scale, x, weight, N, K, B, ln, ln_fold, logits, tile, warps)
     shape = (_build.cdiv(N, _Q8_TILE), _build.cdiv(K, 32) * 512)
     if q.dtype != numpy.uint8 or q.shape != shape or not q.flags.c_contiguous or q.data.ptr % 16:
         raise ValueError(f"screen's q must be C-contiguous, 16-byte aligned uint8 {list(shape)} "
@@ -976,6 +1001,50 @@ def _check_screen(screen, x, weight, N: int, K: int, B: int, ln_fold, logits, ti
     if _build.cdiv(K, 32) > _Q8_CHUNKS * _mma_warps(K):
         raise ValueError(f"screen takes rows of at most {32 * _Q8_CHUNKS} values a warp: K = {K} is too wide")
     return q, scale
+
+
+def screens_float(N: int, K: int) -> bool:
+    """Whether linear_argmax takes ``screen=`` for float32 rows with a weight [N, K] (one row of
+    x, the LayerNorm in the prologue, 16-byte aligned rows)."""
+    return K % 8 == 0 and 0 < K <= 256 * _Q8F_PIECES and _tile(N, K, 4, True) == (_Q8F_TILE, _Q8F_WARPS)
+
+
+def _check_screen_float(q, scale, x, weight, N: int, K: int, B: int, ln, ln_fold, logits, tile, warps) -> tuple:
+    """screen= of float32 rows, checked: (q, scale)."""
+    if q.dtype != numpy.uint8 or q.shape != (N, K) or not q.flags.c_contiguous or q.data.ptr % 8:
+        raise ValueError(f"screen's q of float32 rows must be C-contiguous, 8-byte aligned uint8 [{N}, {K}] "
+                         "(quantize_rows of weight)")
+    if scale.dtype != numpy.float32 or scale.shape != (N,) or not scale.flags.c_contiguous:
+        raise ValueError(f"screen's scale must be C-contiguous float32 [{N}]")
+    if ln is None or ln_fold is not None:
+        raise ValueError("screen of float32 rows takes the LayerNorm in the product's prologue: pass ln")
+    if logits is not None or tile is not None or warps is not None:
+        raise ValueError("screen computes only the blocks that may hold the largest value: no logits, tile or warps")
+    if B != 1:
+        raise ValueError(f"screen of float32 rows takes one row of x, got {B}")
+    if K % 8 or not 0 < K <= 256 * _Q8F_PIECES:
+        raise ValueError(f"screen of float32 rows takes K a multiple of 8 up to {256 * _Q8F_PIECES}, got {K}")
+    if _geometry(x, weight, N, K, None, None, ln) != (4, _Q8F_TILE, _Q8F_WARPS):
+        raise ValueError(f"screen of float32 rows takes the LM head's tile {_Q8F_TILE} in {_Q8F_WARPS} warps "
+                         f"(N >= 16384, 16-byte aligned rows of x, weight and ln), got N = {N}")
+    return q, scale
+
+
+def _screen_pass_float(x, screen, bias, ln, N: int, K: int) -> tuple:
+    """linear_q8f_max_kernel: (hi, bounds), each block of 32 rows' upper bound (float32
+    [blocks]) and the row's best lower bound (uint32 [1], linear.cu's order keys; zero
+    before, as the argmax kernel leaves it)."""
+    q, scale = screen
+    ln_w, ln_b, eps = ln
+    blocks = _grid(N, _Q8F_TILE, _Q8F_WARPS)
+    hi = cupy.empty(blocks, dtype=numpy.float32)
+    bounds = cupy.zeros(1, dtype=numpy.uint32)
+    pieces = _build.cdiv(K, 256)
+    grid = min(blocks, _build.sm_count(cupy.cuda.Device().id) * (2 if pieces <= 4 else 1))
+    kern = _build.kernel(_SRC, f"linear_q8f_max_kernel<{pieces}>")
+    kern((grid,), (32 * _Q8F_WARPS,), (hi, x, q, scale, 0 if bias is None else bias, ln_w, ln_b, f32(eps), i32(N),
+                                       i32(K), bounds))
+    return hi, bounds
 
 
 def _screen_pass(x, screen, ln_fold, B: int, N: int, K: int) -> tuple:

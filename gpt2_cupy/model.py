@@ -333,6 +333,10 @@ DECODE_TRIGGER_EARLY_ROWS = 1
 # (head_screen_rows-h100.json): 192.03 / 194.97 and 220.88 / 218.93.
 DECODE_HEAD_SCREEN = True
 DECODE_SCREEN_ROWS = 2
+# Greedy float32 decode steps of one row screen the LM head too (linear_argmax's screen= for
+# float32 rows: the weight at 8 bits bounds the row's values, and only the blocks of 32 rows
+# that may hold the largest are computed exactly, with their bits; the same tokens).
+DECODE_HEAD_SCREEN_FLOAT32 = True
 DECODE_PRODUCT_TRIGGERS = {768: {"qkv": "requested", "proj": "requested"}, 1600: {"qkv": "requested", "up": "waited"}}
 # The same for float32 models with float32 caches (their fixed_attention step; CUDA-core products):
 # none gained. H200, GPT-2 small float32 at batch 1, us a sweep as above, against 264.81 / 264.96
@@ -526,10 +530,12 @@ class GPT2:
         if self.wte.shape != (config.vocab_size, C):
             raise ValueError(f"wte has shape {self.wte.shape}, expected {(config.vocab_size, C)}")
         self.lm_head_b = self.head_u = self.head_c = None  # [V] when ln_f is folded into the LM head
-        self.head_screen = None  # the LM head at 8 bits (K.quantize_rows) when ln_f is folded
+        self.head_screen = None  # the LM head at 8 bits (K.quantize_rows): ln_f folded, or float32
         self.folded = self.dtype.itemsize == 2
         if self.folded:
             self._fold_layernorms()
+        elif K.screens_float(*self.lm_head.shape):  # (DECODE_HEAD_SCREEN_FLOAT32)
+            self.head_screen = K.quantize_rows(self.lm_head)
 
     def _fold_layernorms(self) -> None:
         """Every LayerNorm of a 16-bit model folded into the product after it: its weight and
@@ -809,8 +815,12 @@ class GPT2:
             raise ValueError("the argmax embeds the next step's tokens in greedy steps with the rows' statistics "
                              "and positions only")
         if sampling is None:  # (the argmax's last launch moves the positions on)
-            screen = self.head_screen if (DECODE_HEAD_SCREEN and stats is not None
-                                          and buf.x.shape[0] <= min(DECODE_SCREEN_ROWS, SCREEN_MAX_ROWS)) else None
+            B = buf.x.shape[0]
+            if self.folded:
+                screen = self.head_screen if (DECODE_HEAD_SCREEN and stats is not None
+                                              and B <= min(DECODE_SCREEN_ROWS, SCREEN_MAX_ROWS)) else None
+            else:
+                screen = self.head_screen if DECODE_HEAD_SCREEN_FLOAT32 and B == 1 else None
             K.linear_argmax(buf.x, self.lm_head, out=buf.tokens, advance=positions,
                             embed=(self.wte, self.wpe, buf.x, stats) if embed else None, screen=screen, **ln)
         else:

@@ -144,13 +144,22 @@ constexpr int linear_min_blocks() {
     return (VEC == 4 && RW == 4 && U == 2 && BR == 1) ? 2 : 1;
 }
 
-template <typename T, typename OutT, int VEC, int RW, int U, int BR, bool LN, int EPI>
-__global__ void __launch_bounds__(MAX_WARPS * 32, linear_min_blocks<VEC, RW, U, BR>())
-    linear_kernel(OutT* y, const T* x, const T* __restrict__ W, const T* __restrict__ bias,
-                  const T* __restrict__ ln_w, const T* __restrict__ ln_b, float eps, const T* res,
-                  float* __restrict__ part_val, int* __restrict__ part_idx, T* __restrict__ k_cache,
-                  T* __restrict__ v_cache, const int* __restrict__ positions, int* __restrict__ seq_lens, int H,
-                  int S_max, int B, int N, int K, int trigger) {
+#define LINEAR_ROWS_PARAMS                                                                                     \
+    OutT *y, const T *x, const T *__restrict__ W, const T *__restrict__ bias, const T *__restrict__ ln_w,       \
+        const T *__restrict__ ln_b, float eps, const T *res, float *__restrict__ part_val,                      \
+        int *__restrict__ part_idx, T *__restrict__ k_cache, T *__restrict__ v_cache,                           \
+        const int *__restrict__ positions, int *__restrict__ seq_lens, int H, int S_max, int B, int N, int K,   \
+        int trigger
+#define LINEAR_ROWS_ARGS \
+    y, x, W, bias, ln_w, ln_b, eps, res, part_val, part_idx, k_cache, v_cache, positions, seq_lens, H, S_max, B, N, K, trigger
+
+#define BLK (LISTED ? listed : static_cast<int>(blockIdx.x))
+#define GRID (LISTED ? grid : static_cast<int>(gridDim.x))
+// linear_kernel's work; with LISTED, block `listed` of a grid of `grid` blocks (the screened
+// float32 LM head's exact kernel runs it for the blocks it lists, below). (Without, blockIdx.x
+// and gridDim.x are read where they are used, as before there was a list: the same code.)
+template <typename T, typename OutT, int VEC, int RW, int U, int BR, bool LN, int EPI, bool LISTED = false>
+__device__ __forceinline__ void linear_rows(LINEAR_ROWS_PARAMS, int listed = 0, int grid = 0) {
     extern __shared__ float4 smem4[];
     float* xs = reinterpret_cast<float*>(smem4);  // [BR][K]: this pass's rows of x, as float
     __shared__ float s_sum[MAX_WARPS][BR], s_sq[MAX_WARPS][BR];  // LayerNorm partial sums
@@ -164,7 +173,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, linear_min_blocks<VEC, RW, U, 
     // steps of STEP columns.
     const int n_batches = (K + STEP - 1) / STEP;
     const int n_groups = (N + RW - 1) / RW;
-    const int g0 = blockIdx.x * n_warps + warp, g_stride = gridDim.x * n_warps;
+    const int g0 = BLK * n_warps + warp, g_stride = GRID * n_warps;
     const int n_steps = g0 < n_groups ? ((n_groups - 1 - g0) / g_stride + 1) * n_batches : 0;
     auto row0 = [&](int s) { return (g0 + (s / n_batches) * g_stride) * RW; };
     auto col0 = [&](int s) { return (s % n_batches) * STEP; };
@@ -443,7 +452,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, linear_min_blocks<VEC, RW, U, 
         }
 
         if constexpr (EPI == QKV_CACHE) {
-            if (blockIdx.x == 0 && threadIdx.x < nb) seq_lens[b0 + threadIdx.x] = positions[b0 + threadIdx.x] + 1;
+            if (BLK == 0 && threadIdx.x < nb) seq_lens[b0 + threadIdx.x] = positions[b0 + threadIdx.x] + 1;
         }
         if constexpr (EPI == ARGMAX) {
             if (lane == 0) {
@@ -456,12 +465,20 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, linear_min_blocks<VEC, RW, U, 
                 float v = -INFINITY;
                 int idx = -1;
                 for (int wi = 0; wi < n_warps; ++wi) keep_max(v, idx, s_best[wi][b], s_idx[wi][b]);
-                part_val[static_cast<long long>(b0 + b) * gridDim.x + blockIdx.x] = v;
-                part_idx[static_cast<long long>(b0 + b) * gridDim.x + blockIdx.x] = idx;
+                part_val[static_cast<long long>(b0 + b) * GRID + BLK] = v;
+                part_idx[static_cast<long long>(b0 + b) * GRID + BLK] = idx;
             }
         }
     }
 }
+
+template <typename T, typename OutT, int VEC, int RW, int U, int BR, bool LN, int EPI>
+__global__ void __launch_bounds__(MAX_WARPS * 32, linear_min_blocks<VEC, RW, U, BR>())
+    linear_kernel(LINEAR_ROWS_PARAMS) {
+    linear_rows<T, OutT, VEC, RW, U, BR, LN, EPI>(LINEAR_ROWS_ARGS);
+}
+#undef BLK
+#undef GRID
 
 // =======================================================================================
 // Tensor cores: T = __half / __nv_bfloat16, K a multiple of 8, 16-byte aligned rows.
@@ -1421,5 +1438,234 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
         if (tile + gridDim.x >= tiles) break;
         load_tile(wa0, wb0, rc0, tile + 2 * gridDim.x);
         process(wa1, wb1, rc1, tile + gridDim.x);
+    }
+}
+
+// =======================================================================================
+// The screened LM head of float32 models: the exact greedy token of one row of x whose
+// LayerNorm runs in the product's prologue, reading W at 8 bits a value for all but the few
+// blocks of 32 rows that may hold the largest value (cupy_kernels/linear.py, linear_argmax's
+// screen= for float32 rows).
+//
+//   q[n, k] = round(W[n, k] / s[n]),  s[n] = max_k |W[n, k]| / 127   (quantize_rows; stored
+//             as q + 128 in a byte, row-major [N, K], K % 8 == 0)
+//   y~ = LayerNorm(x) in float32 (its own mean m~ and rstd r~, in any order)
+//   A[n] = s[n] (y~ . q[n]) + bias[n]                                   (linear_q8f_max_kernel)
+//
+// The exact value E[n] is linear_kernel's (each block normalizes x into y^ with its own order
+// of sums, then y^ . W[n] in float32, then the bias). With L = |y~|_1, u = 2^-24 and D a bound
+// on |y^ - y~|_1 (below), |E[n] - A[n]| <= e[n]:
+//   e = 17/16 (s (L (1/2 + 2^-16 + 1.01 K u 127) + 127.01 (D + 1.01 K u (L + D)))
+//              + 2^-22 (|s S| + |A| + |bias|)),   S = y~ . q[n] as summed,
+// the terms: the quantization (|W - s q| <= s (1/2 + 2^-16): q from the float32 quotient, s
+// rounded), the two LayerNorms' difference (|W| <= 127.01 s), the rounding of the exact and
+// the screened sums of K products (1.01 K u of their absolute sums), and of the last
+// operations on either side; 17/16 covers the rounding of e itself. D: both y^ and y~ lie
+// within d_k of the exact y*_k = (x_k - m*) r* g_k + b_k (m*, r* exact, g and b the
+// LayerNorm's weight and bias): the mean as summed is within dm = (K + 2) u |x|_1 / K of m*;
+// the sum of squares as summed, over K, plus eps, within (K + 8) u + dm^2 / (var + eps) of
+// var* + eps relatively, so either rstd within er = 0.5625 ((K + 8) u + dm^2 / den) + 2^-21
+// of r* (rsqrtf: 2 ulp), den a lower bound on var* + eps (eps, and var~ / 2 where dm^2 <=
+// var~ / 4); with R = r~ (1 + 4 er),
+//   d_k = |g_k| ((|x_k - m~| + 2 dm) R er + 2 dm R) + 4.1 u ((|x_k - m~| + 2 dm) R |g_k| + |b_k|)
+// and D = 2 sum_k d_k. Where er > 2^-8 (a row of nearly equal values, say) the bounds are not
+// taken: every block's hi is infinite, and every block is computed exactly.
+//
+// linear_q8f_max_kernel: blocks of Q8F_WARPS warps walking groups of 32 rows of W (the exact
+// kernel's blocks: 8 warps of 4 rows) blockIdx.x, + gridDim.x, ...; warp w takes rows 4 w ..
+// 4 w + 3 of a group, lane l the 8-byte pieces l, l + 32, ... (at most P) of each row, with
+// x's values of the same columns in registers (every warp normalizes x by itself, in the same
+// order: no barrier). The next group's pieces are requested before this group's are used
+// where P <= 4. hi[g]: the largest A + e of group g (a NaN counts); bounds[0]: the largest A -
+// e over all rows (atomicMax of the order keys, once a block). linear_list_kernel computes the
+// groups whose hi reaches that bound with linear_kernel's code and bits and gives the others
+// the partials (-inf, -1); argmax_partials_kernel then picks the token (and sets the bound
+// back to zero).
+namespace {
+constexpr int Q8F_WARPS = 8;  // warps a block of linear_q8f_max_kernel (linear.py's _Q8F_WARPS)
+constexpr int Q8F_ROWS = 4;   // rows of W a warp takes of a group of Q8F_WARPS x Q8F_ROWS
+
+// 8 bytes of W, read once, without allocating in L1 (as load_stream16)
+__device__ __forceinline__ uint2 load_stream8(const void* p) {
+    uint2 r;
+    asm("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
+// 4 bytes q + 128 as the floats q: the byte b as the float 2^23 + b, less 2^23 + 128 (exact)
+__device__ __forceinline__ void q8_to_float4(unsigned r, float* f) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = __uint_as_float(__byte_perm(r, 0x4B000000u, 0x7540 + i)) - 8388736.0f;
+}
+}  // namespace
+
+template <int P>
+__global__ void __launch_bounds__(Q8F_WARPS * 32, P <= 4 ? 2 : 1)
+    linear_q8f_max_kernel(float* __restrict__ hi, const float* x, const unsigned char* __restrict__ Wq,
+                          const float* __restrict__ scale, const float* __restrict__ bias,
+                          const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps, int N, int K,
+                          unsigned* __restrict__ bounds) {
+    constexpr bool AHEAD = P <= 4;  // the next group's pieces requested before this one's are used
+    constexpr int G = Q8F_WARPS * Q8F_ROWS;
+    constexpr float U24 = 0x1p-24f;
+    __shared__ float s_h[Q8F_WARPS], s_l[Q8F_WARPS];
+    griddep_launch_dependents();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int groups = (N + G - 1) / G;
+
+    auto load_group = [&](uint2 (&w)[Q8F_ROWS][P], float (&sc)[Q8F_ROWS], float (&bi)[Q8F_ROWS], int grp) {
+#pragma unroll
+        for (int r = 0; r < Q8F_ROWS; ++r) {
+            const int n = grp * G + warp * Q8F_ROWS + r;
+            const bool row = grp < groups && n < N;
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                const int c = 8 * (lane + 32 * j);
+                w[r][j] = row && c < K ? load_stream8(Wq + static_cast<long long>(n) * K + c)
+                                       : make_uint2(0x80808080u, 0x80808080u);
+            }
+            sc[r] = row ? scale[n] : 0.0f;
+            bi[r] = row && bias != nullptr ? bias[n] : 0.0f;
+        }
+    };
+    uint2 wa[Q8F_ROWS][P], wb[AHEAD ? Q8F_ROWS : 1][AHEAD ? P : 1];
+    float sa[Q8F_ROWS], ba[Q8F_ROWS], sb[AHEAD ? Q8F_ROWS : 1], bb[AHEAD ? Q8F_ROWS : 1];
+    load_group(wa, sa, ba, blockIdx.x);  // (W, its scales and the bias: never written)
+    griddep_wait();  // x: the previous kernels' work
+
+    // y~ in registers, the columns of this lane's pieces (zeros past K), and the bound's terms
+    float y[P][8];
+    float sum = 0.0f, sum_abs = 0.0f;
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+        const int c = 8 * (lane + 32 * j);
+#pragma unroll
+        for (int e = 0; e < 8; e += 4) {
+            const float4 v = c < K ? *reinterpret_cast<const float4*>(x + c + e) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            y[j][e] = v.x, y[j][e + 1] = v.y, y[j][e + 2] = v.z, y[j][e + 3] = v.w;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sum += y[j][e], sum_abs += fabsf(y[j][e]);
+    }
+    const float kf = static_cast<float>(K);
+    const float mean = warp_sum(sum) / kf;
+    const float dm = (kf + 2.0f) * U24 * warp_sum(sum_abs) / kf;
+    float sq = 0.0f;
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+        if (8 * (lane + 32 * j) < K) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sq += (y[j][e] - mean) * (y[j][e] - mean);
+        }
+    }
+    const float var = warp_sum(sq) / kf;
+    const float rstd = rsqrtf(var + eps);
+    const float den = eps + (dm * dm <= 0.25f * var ? 0.5f * var : 0.0f);
+    const float er = 0.5625f * ((kf + 8.0f) * U24 + dm * dm / den) + 0x1p-21f;
+    const float R = rstd * (1.0f + 4.0f * er);
+    float l1 = 0.0f, dk = 0.0f;
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+        const int c = 8 * (lane + 32 * j);
+        if (c < K) {
+#pragma unroll
+            for (int e = 0; e < 8; e += 4) {
+                const float4 g4 = *reinterpret_cast<const float4*>(ln_w + c + e);
+                const float4 b4 = *reinterpret_cast<const float4*>(ln_b + c + e);
+                const float g[4] = {g4.x, g4.y, g4.z, g4.w}, b[4] = {b4.x, b4.y, b4.z, b4.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float d = fabsf(y[j][e + i] - mean) + 2.0f * dm;
+                    dk += fabsf(g[i]) * (d * R * er + 2.0f * dm * R) + 4.1f * U24 * (d * R * fabsf(g[i]) + fabsf(b[i]));
+                    y[j][e + i] = (y[j][e + i] - mean) * rstd * g[i] + b[i];
+                    l1 += fabsf(y[j][e + i]);
+                }
+            }
+        }
+    }
+    const float L = warp_sum(l1), D = 2.0f * warp_sum(dk);
+    const float ku = 1.01f * kf * U24;
+    // e = 17/16 (s C + 2^-22 (...)): C for every row of W (infinite where the bounds are not taken)
+    const float C = er <= 0x1p-8f ? L * (0.5f + 0x1p-16f + ku * 127.0f) + 127.01f * (D + ku * (L + D)) : INFINITY;
+
+    float blo = -INFINITY;  // the block's largest A - e (thread 0)
+    auto process = [&](const uint2 (&w)[Q8F_ROWS][P], const float (&sc)[Q8F_ROWS], const float (&bi)[Q8F_ROWS],
+                       int grp) {
+        float acc[Q8F_ROWS];
+#pragma unroll
+        for (int r = 0; r < Q8F_ROWS; ++r) acc[r] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+#pragma unroll
+            for (int r = 0; r < Q8F_ROWS; ++r) {
+                float q[8];
+                q8_to_float4(w[r][j].x, q);
+                q8_to_float4(w[r][j].y, q + 4);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[r] = fmaf(y[j][e], q[e], acc[r]);
+            }
+        }
+        float h = -INFINITY, l = -INFINITY;
+#pragma unroll
+        for (int r = 0; r < Q8F_ROWS; ++r) {
+            const float S = warp_sum(acc[r]);
+            const int n = grp * G + warp * Q8F_ROWS + r;
+            if (n < N) {
+                const float a = __fmul_rn(sc[r], S), A = __fadd_rn(a, bi[r]);
+                const float err = 1.0625f * (sc[r] * C + 0x1p-22f * (fabsf(a) + fabsf(A) + fabsf(bi[r])));
+                h = max_nan(h, A + err);
+                l = fmaxf(l, A - err);
+            }
+        }
+        __syncthreads();  // thread 0 has read the group before's
+        if (lane == 0) s_h[warp] = h, s_l[warp] = l;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float gh = s_h[0], gl = s_l[0];
+#pragma unroll
+            for (int i = 1; i < Q8F_WARPS; ++i) gh = max_nan(gh, s_h[i]), gl = fmaxf(gl, s_l[i]);
+            hi[grp] = gh;
+            blo = fmaxf(blo, gl);
+            if (grp + gridDim.x >= groups) atomicMax(bounds, bound_key(blo));  // the block's last group
+        }
+    };
+    if constexpr (AHEAD) {
+        for (int grp = blockIdx.x; grp < groups; grp += 2 * gridDim.x) {
+            load_group(wb, sb, bb, grp + gridDim.x);
+            process(wa, sa, ba, grp);
+            if (grp + gridDim.x >= groups) break;
+            load_group(wa, sa, ba, grp + 2 * gridDim.x);
+            process(wb, sb, bb, grp + gridDim.x);
+        }
+    } else {
+        for (int grp = blockIdx.x; grp < groups; grp += gridDim.x) {
+            if (grp != static_cast<int>(blockIdx.x)) load_group(wa, sa, ba, grp);
+            process(wa, sa, ba, grp);
+        }
+    }
+}
+
+// The screened float32 LM head's exact blocks: block k of this grid takes the exact kernel's
+// blocks k per, ..., (k + 1) per - 1 of `grid` (per = ceil(grid / gridDim.x)) and runs
+// linear_kernel's code as each block whose hi reaches the row's bound (a NaN counts), with its
+// bits; the others get the partials (-inf, -1), which argmax_partials_kernel skips.
+template <typename T, typename OutT, int VEC, int RW, int U, int BR, bool LN, int EPI>
+__global__ void __launch_bounds__(MAX_WARPS * 32, linear_min_blocks<VEC, RW, U, BR>())
+    linear_list_kernel(LINEAR_ROWS_PARAMS, int grid, const float* hi, const unsigned* bounds) {
+    static_assert(EPI == ARGMAX && BR == 1, "the screened LM head: the argmax of one row");
+    griddep_launch_dependents();
+    griddep_wait();  // hi and the bound: the kernel ahead's
+    const float best = key_bound(__ldcg(bounds));
+    const int per = (grid + gridDim.x - 1) / gridDim.x, first = blockIdx.x * per, end = min(grid, first + per);
+    for (int g = first; g < end; ++g) {
+        if (!(__ldcg(hi + g) < best)) {
+            __syncthreads();  // the block before is done with the shared memory
+            linear_rows<T, OutT, VEC, RW, U, BR, LN, EPI, true>(y, x, W, bias, ln_w, ln_b, eps, res, part_val, part_idx,
+                                                                k_cache, v_cache, positions, seq_lens, H, S_max, B, N,
+                                                                K, -1, g, grid);
+        } else if (threadIdx.x == 0) {
+            part_val[g] = -INFINITY;
+            part_idx[g] = -1;
+        }
     }
 }

@@ -211,7 +211,7 @@ def test_screen_checks():
     with pytest.raises(ValueError, match="1 to 8 rows"):
         K.linear_argmax(big, wf, ln_fold=(big_stats, u, c, 1e-5), screen=(q, scale))
     with pytest.raises(TypeError):
-        K.quantize_rows(cp.ones((4, 8), np.float32))
+        K.quantize_rows(cp.ones((4, 8), np.float64))
     # the model is still usable after the errors
     assert cp.array_equal(K.linear_argmax(res, wf, ln_fold=fold, screen=(q, scale)),
                           K.linear_argmax(res, wf, ln_fold=fold))

@@ -785,3 +785,33 @@ def test_text_generate_continuous_batching(small):
     cut = generate(prompts, model, max_new_tokens=12, eos_token_id=None, max_batch=3, stop=stop)
     assert cut[0] == generate(prompts[0], model, max_new_tokens=12, eos_token_id=None, stop=stop)
     assert stop not in cut[0][len(prompts[0]):]
+
+
+def test_float32_steps_screen_the_head(small, monkeypatch):
+    """Greedy float32 steps of one sequence screen the LM head (DECODE_HEAD_SCREEN_FLOAT32:
+    linear_argmax's screen= for float32 rows) and get the tokens they get without it, kernel
+    by kernel and in CUDA graphs; sessions of more rows do not screen."""
+    import cupy_kernels as K
+    import gpt2_cupy.model as M
+
+    hf, model = small
+    rng = np.random.default_rng(31)
+    prompts = [rng.integers(0, 50257, int(n)).tolist() for n in (1, 7, 40)]
+    seen, real = [], K.linear_argmax
+
+    def spy(*args, **kwargs):
+        seen.append((args[0].shape[0], kwargs.get("screen") is not None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(K, "linear_argmax", spy)
+    fresh = GPT2.from_hf(hf, "float32")
+    screened = [fresh.generate(p, 60) for p in prompts] + [fresh.generate(prompts[1], 20, cuda_graph=False)]
+    assert (1, True) in seen and all(screen == (rows == 1) for rows, screen in seen)
+    seen.clear()
+    assert fresh.generate(prompts, 20) == [s[:len(p) + 20] for s, p in zip(screened, prompts)]
+    assert seen and not any(screen for _, screen in seen)
+    monkeypatch.setattr(M, "DECODE_HEAD_SCREEN_FLOAT32", False)
+    plain = GPT2.from_hf(hf, "float32")
+    seen.clear()
+    assert [plain.generate(p, 60) for p in prompts] + [plain.generate(prompts[1], 20, cuda_graph=False)] == screened
+    assert seen and not any(screen for _, screen in seen)
