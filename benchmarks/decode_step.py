@@ -313,6 +313,11 @@ def launch_roles(model, plan, batch: int, cache_rows: int) -> list[tuple[str, in
             roles.append(("lm_head", N * Kd + 12 * N + batch * Kd * s))
         elif name == "linear_mma_list_kernel":  # its exact tiles (a few, known only on the GPU) and the bounds
             roles.append(("lm_head_tiles", 4 * batch * -(-int(launch.args[linear_mod.ARG_N]) // 16)))
+        elif name == "linear_q8f_max_kernel":  # the float32 screen's 8-bit pass: W, its scales, x and ln_f
+            N, Kd = int(launch.args[-3]), int(launch.args[-2])
+            roles.append(("lm_head", N * Kd + 4 * N + 3 * Kd * s))
+        elif name == "linear_list_kernel":  # its exact blocks of 32 rows (a few) and their upper bounds
+            roles.append(("lm_head_tiles", 4 * -(-int(launch.args[linear_mod.ARG_N]) // 32)))
         elif name in ("decode_attention_kernel", "fixed_attention_kernel"):
             roles.append(("attention", 2 * batch * H * cache_rows * D * s))
         elif name == "decode_attention_merge_kernel":

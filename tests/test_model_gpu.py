@@ -444,11 +444,15 @@ def test_decode_step_profile_reads_every_product(small, dtype):
         products = [(role, nbytes) for role, nbytes in roles if role in shapes]
         assert [role for role, _ in products] == ["qkv", "attn_proj", "fc", "mlp_proj"] * model.config.n_layer + ["lm_head"]
         screened = model.folded and M.DECODE_HEAD_SCREEN and batch <= M.DECODE_SCREEN_ROWS
+        screened32 = not model.folded and M.DECODE_HEAD_SCREEN_FLOAT32 and batch == 1
         for role, nbytes in products:
             N, Kd = shapes[role]
             if role == "lm_head" and screened:  # its weight at 8 bits, with scale, u and c (and a few exact tiles)
                 assert nbytes == N * Kd + 12 * N + batch * Kd * s
                 assert [(r, b) for r, b in roles if r.startswith("lm_head_")] == [("lm_head_tiles", 4 * batch * -(-N // 16))]
+            elif role == "lm_head" and screened32:  # float32: at 8 bits, with scale, x and ln_f (and a few blocks)
+                assert nbytes == N * Kd + 4 * N + 3 * Kd * s
+                assert [(r, b) for r, b in roles if r.startswith("lm_head_")] == [("lm_head_tiles", 4 * -(-N // 32))]
             else:
                 assert nbytes == (N * Kd + batch * (N + Kd)) * s, role
 
