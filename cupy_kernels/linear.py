@@ -940,8 +940,9 @@ _Q8_CHUNKS = 8  # linear.cu's Q8_BATCH: chunks of 32 values a warp takes of each
 def quantize_rows(weight) -> tuple:
     """``(q, scale)`` of a weight [N, K] for :func:`linear_argmax`'s ``screen``:
     q[n, k] = round(w[n, k] / scale[n]) + 128 as bytes, scale = max |w| / 127 of each row
-    (float32 [N]; 1 for a row of zeros, NaN for a row with a value that is not finite, which
-    then takes the exact path). float32 weights: q is uint8 [N, K], row by row. float16 /
+    (float32 [N]; 1 for a row of zeros, NaN for a row with a value that is not finite or whose
+    largest is below 2^-100, where the quantization's bound fails; a NaN scale has every tile
+    computed exactly). float32 weights: q is uint8 [N, K], row by row. float16 /
     bfloat16: q is laid out as the tensor-core 8-bit pass reads it (linear.cu, "The screened
     LM head"): uint8 [ceil(N / 16), ceil(K / 32) x 512], a row for each tile of 16 rows, in
     pieces of 512 bytes for each chunk of 32 columns, where bytes 16 (4 g + t) to 16 (4 g +
@@ -953,7 +954,7 @@ def quantize_rows(weight) -> tuple:
     N, K = weight.shape
     w = weight.astype(numpy.float32)
     amax = cupy.abs(w).max(axis=1)
-    finite = cupy.isfinite(w).all(axis=1)
+    finite = cupy.isfinite(w).all(axis=1) & ~((amax > 0) & (amax < numpy.float32(2.0 ** -100)))  # (tiny: exact too)
     scale = cupy.where(amax > 0, amax / numpy.float32(127), numpy.float32(1)).astype(numpy.float32)
     q = cupy.rint(w / cupy.where(finite, scale, numpy.float32(1))[:, None]).clip(-127, 127)
     q = (cupy.where(finite[:, None], q, 0) + 128).astype(numpy.uint8)
@@ -1040,7 +1041,7 @@ def _screen_pass_float(x, screen, bias, ln, N: int, K: int) -> tuple:
     hi = cupy.empty(blocks, dtype=numpy.float32)
     bounds = cupy.zeros(1, dtype=numpy.uint32)
     pieces = _build.cdiv(K, 256)
-    grid = min(blocks, _build.sm_count(cupy.cuda.Device().id) * (2 if pieces <= 4 else 1))
+    grid = min(blocks, _build.sm_count(cupy.cuda.Device().id) * (2 if pieces <= 3 else 1))  # (its launch bounds)
     kern = _build.kernel(_SRC, f"linear_q8f_max_kernel<{pieces}>")
     kern((grid,), (32 * _Q8F_WARPS,), (hi, x, q, scale, 0 if bias is None else bias, ln_w, ln_b, f32(eps), i32(N),
                                        i32(K), bounds))

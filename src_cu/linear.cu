@@ -941,6 +941,12 @@ __global__ void __launch_bounds__(MMA_NARROW_WARPS * 32, 1) linear_mma_ahead_ker
 // The screen's order keys: a float that is not NaN as an unsigned of the same order, -inf as 0
 // (the 8-bit pass's blocks leave each row's largest lower bound by atomicMax of them)
 constexpr unsigned KEY_NEG_INF = 0x007fffffu;  // the order key of -inf
+// The bound a screen leaves where some tile's upper bound is NaN: above every key, and
+// key_bound gives it as a NaN, which no upper bound is below, so that every tile is computed
+// exactly. (The argmax keeps a NaN partial only where it meets it before a larger value, an
+// order the skipped tiles' (-inf, -1) would change; with every tile computed, the order is the
+// exact product's.)
+constexpr unsigned KEY_LIST_ALL = 0xffffffffu;
 __device__ __forceinline__ unsigned bound_key(float f) {
     const unsigned u = __float_as_uint(f);
     return ((u & 0x80000000u) ? ~u : (u | 0x80000000u)) - KEY_NEG_INF;
@@ -1428,6 +1434,7 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
                 const float best = fmaxf(s_blo[bl], l);
                 s_blo[bl] = best;
                 if (tile + gridDim.x >= tiles) atomicMax(bounds + bl, bound_key(best));
+                if (h != h) atomicMax(bounds + bl, KEY_LIST_ALL);
             }
         }
     };
@@ -1469,14 +1476,17 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
 // var~ / 4); with R = r~ (1 + 4 er),
 //   d_k = |g_k| ((|x_k - m~| + 2 dm) R er + 2 dm R) + 4.1 u ((|x_k - m~| + 2 dm) R |g_k| + |b_k|)
 // and D = 2 sum_k d_k. Where er > 2^-8 (a row of nearly equal values, say) the bounds are not
-// taken: every block's hi is infinite, and every block is computed exactly.
+// taken: every block's hi is infinite, and every block is computed exactly; so too where the
+// variance is past 2^100 or var + eps below 2^-100, or where a row's exact sum could overflow
+// (127.01 s (L + D) + |bias| or |A| + e past 2^126); 2^-140 a value and 2^-120 (1 + s) a row
+// cover underflow. A NaN hi leaves the bound KEY_LIST_ALL: every block is computed.
 //
 // linear_q8f_max_kernel: blocks of Q8F_WARPS warps walking groups of 32 rows of W (the exact
 // kernel's blocks: 8 warps of 4 rows) blockIdx.x, + gridDim.x, ...; warp w takes rows 4 w ..
 // 4 w + 3 of a group, lane l the 8-byte pieces l, l + 32, ... (at most P) of each row, with
 // x's values of the same columns in registers (every warp normalizes x by itself, in the same
 // order: no barrier). The next group's pieces are requested before this group's are used
-// where P <= 4. hi[g]: the largest A + e of group g (a NaN counts); bounds[0]: the largest A -
+// where P <= 4; two blocks an SM where P <= 3 (at P = 4, 128 registers spilled 72 bytes on sm_80). hi[g]: the largest A + e of group g (a NaN counts); bounds[0]: the largest A -
 // e over all rows (atomicMax of the order keys, once a block). linear_list_kernel computes the
 // groups whose hi reaches that bound with linear_kernel's code and bits and gives the others
 // the partials (-inf, -1); argmax_partials_kernel then picks the token (and sets the bound
@@ -1500,7 +1510,7 @@ __device__ __forceinline__ void q8_to_float4(unsigned r, float* f) {
 }  // namespace
 
 template <int P>
-__global__ void __launch_bounds__(Q8F_WARPS * 32, P <= 4 ? 2 : 1)
+__global__ void __launch_bounds__(Q8F_WARPS * 32, P <= 3 ? 2 : 1)
     linear_q8f_max_kernel(float* __restrict__ hi, const float* x, const unsigned char* __restrict__ Wq,
                           const float* __restrict__ scale, const float* __restrict__ bias,
                           const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps, int N, int K,
@@ -1549,7 +1559,7 @@ __global__ void __launch_bounds__(Q8F_WARPS * 32, P <= 4 ? 2 : 1)
     }
     const float kf = static_cast<float>(K);
     const float mean = warp_sum(sum) / kf;
-    const float dm = (kf + 2.0f) * U24 * warp_sum(sum_abs) / kf;
+    const float dm = (kf + 2.0f) * U24 * warp_sum(sum_abs) / kf + 0x1p-140f;  // (+ the mean's underflow)
     float sq = 0.0f;
 #pragma unroll
     for (int j = 0; j < P; ++j) {
@@ -1576,7 +1586,8 @@ __global__ void __launch_bounds__(Q8F_WARPS * 32, P <= 4 ? 2 : 1)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const float d = fabsf(y[j][e + i] - mean) + 2.0f * dm;
-                    dk += fabsf(g[i]) * (d * R * er + 2.0f * dm * R) + 4.1f * U24 * (d * R * fabsf(g[i]) + fabsf(b[i]));
+                    dk += fabsf(g[i]) * (d * R * er + 2.0f * dm * R) + 4.1f * U24 * (d * R * fabsf(g[i]) + fabsf(b[i]))
+                          + 0x1p-140f;  // (each value's underflow)
                     y[j][e + i] = (y[j][e + i] - mean) * rstd * g[i] + b[i];
                     l1 += fabsf(y[j][e + i]);
                 }
@@ -1586,7 +1597,10 @@ __global__ void __launch_bounds__(Q8F_WARPS * 32, P <= 4 ? 2 : 1)
     const float L = warp_sum(l1), D = 2.0f * warp_sum(dk);
     const float ku = 1.01f * kf * U24;
     // e = 17/16 (s C + 2^-22 (...)): C for every row of W (infinite where the bounds are not taken)
-    const float C = er <= 0x1p-8f ? L * (0.5f + 0x1p-16f + ku * 127.0f) + 127.01f * (D + ku * (L + D)) : INFINITY;
+    // (and not where the variance is near float32's ends: both sides' terms are relative)
+    const bool taken = er <= 0x1p-8f && var + eps >= 0x1p-100f && var <= 0x1p100f;
+    const float C = taken ? L * (0.5f + 0x1p-16f + ku * 127.0f) + 127.01f * (D + ku * (L + D)) : INFINITY;
+    const float LD = 127.01f * (L + D);  // |y^| |W[n]| over s[n]: the exact sum's terms at most
 
     float blo = -INFINITY;  // the block's largest A - e (thread 0)
     auto process = [&](const uint2 (&w)[Q8F_ROWS][P], const float (&sc)[Q8F_ROWS], const float (&bi)[Q8F_ROWS],
@@ -1612,7 +1626,9 @@ __global__ void __launch_bounds__(Q8F_WARPS * 32, P <= 4 ? 2 : 1)
             const int n = grp * G + warp * Q8F_ROWS + r;
             if (n < N) {
                 const float a = __fmul_rn(sc[r], S), A = __fadd_rn(a, bi[r]);
-                const float err = 1.0625f * (sc[r] * C + 0x1p-22f * (fabsf(a) + fabsf(A) + fabsf(bi[r])));
+                float err = 1.0625f * (sc[r] * C + 0x1p-22f * (fabsf(a) + fabsf(A) + fabsf(bi[r])) + 0x1p-120f * (1.0f + sc[r]));
+                // an exact sum that may overflow (its terms' sum past 2^126) is not bounded
+                if (!(sc[r] * LD + fabsf(bi[r]) + fabsf(A) + err < 0x1p126f)) err = INFINITY;
                 h = max_nan(h, A + err);
                 l = fmaxf(l, A - err);
             }
@@ -1627,6 +1643,7 @@ __global__ void __launch_bounds__(Q8F_WARPS * 32, P <= 4 ? 2 : 1)
             hi[grp] = gh;
             blo = fmaxf(blo, gl);
             if (grp + gridDim.x >= groups) atomicMax(bounds, bound_key(blo));  // the block's last group
+            if (gh != gh) atomicMax(bounds, KEY_LIST_ALL);
         }
     };
     if constexpr (AHEAD) {

@@ -121,6 +121,34 @@ def test_float_screen_hard_rows():
     _same_token(x3, w2, ln)
 
 
+def test_float_screen_at_float32s_ends():
+    """A NaN in the first row of a late block (the argmax keeps a NaN partial only where it meets
+    it first, so the screen computes every block), a row whose largest value is below 2^-100
+    (no bound: its scale is NaN), rows whose sums come near float32's largest and past it: the
+    exact product's token."""
+    rng = np.random.default_rng(12)
+    C, N = 768, 50257
+    ln = (*_ln(rng, C), EPS)
+    x = _row(rng, C)
+    w, _ = rand(rng, (N, C), np.float32, 1.0 / np.sqrt(C))
+    nan = w.copy()
+    nan[BLOCK * 1400, 5] = np.nan
+    _same_token(x, nan, ln)
+    tiny = w.copy()
+    tiny[333] *= np.float32(2.0 ** -110)
+    q, scale = K.quantize_rows(tiny)
+    assert np.isnan(scale[333].get()) and not np.isnan(scale[:333].get()).any()
+    _same_token(x, tiny, ln)
+    y = K.linear(x, cp.eye(C, dtype=np.float32), ln=ln).get()[0]  # the row as normalized
+    big = w.copy()
+    big[64] = cp.asarray((3e38 * np.sign(y) / np.abs(y).sum()).astype(np.float32))  # near the largest float
+    big[2000] = big[64] * np.float32(1.25)  # past it: the exact sum is infinite
+    big[3000] = big[64] * np.float32(0.999)
+    _same_token(x, big, ln)
+    big[2000] = w[2000]
+    _same_token(x, big, ln)
+
+
 def test_float_screen_advances_and_replays():
     """With advance=: the exact token and the position moved on once; a recorded launch
     replayed with the row changed each time gets each time's exact token (the bound of the
