@@ -136,7 +136,7 @@ def test_float_screen_at_float32s_ends():
     _same_token(x, nan, ln)
     tiny = w.copy()
     tiny[333] *= np.float32(2.0 ** -110)
-    q, scale = K.quantize_rows(tiny)
+    _, scale = K.quantize_rows(tiny)
     assert np.isnan(scale[333].get()) and not np.isnan(scale[:333].get()).any()
     _same_token(x, tiny, ln)
     y = K.linear(x, cp.eye(C, dtype=np.float32), ln=ln).get()[0]  # the row as normalized
