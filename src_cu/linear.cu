@@ -971,22 +971,22 @@ __global__ void __launch_bounds__(mma_max_threads<1>(), mma_min_blocks<1, U, X_L
     linear_mma_list_kernel(LINEAR_MMA_PARAMS, const float* hi, const unsigned* bounds) {
     static_assert(sizeof(OutT) == 4, "float logits (never written: the argmax)");
     constexpr int COLS = 8;
-    __shared__ float s_best[COLS];
     __shared__ int s_list[mma_max_threads<1>()], s_n;
     const int tiles = (N + 15) / 16, nb = min(COLS, B);
     const int per = (tiles + gridDim.x - 1) / gridDim.x, first = blockIdx.x * per, end = min(tiles, first + per);
     griddep_launch_dependents();
     griddep_wait();  // the bounds: the kernel ahead's
-    if (threadIdx.x < nb) s_best[threadIdx.x] = key_bound(__ldcg(bounds + threadIdx.x));  // (coherent loads:
-    // ptxas moves non-coherent ones past griddepcontrol.wait, common.cuh)
     for (int i0 = first; i0 < end; i0 += blockDim.x) {
         const int i = i0 + threadIdx.x;
-        __syncthreads();  // s_best is written; the tiles before have read s_list
+        __syncthreads();  // the tiles before have read s_list
         if (threadIdx.x == 0) s_n = 0;
         __syncthreads();
         if (i < end) {
+            // every thread loads the bounds beside its hi: one round trip to L2 (coherent loads:
+            // ptxas moves non-coherent ones past griddepcontrol.wait, common.cuh)
             bool on = false;
-            for (int b = 0; b < nb; ++b) on = on || !(__ldcg(hi + static_cast<long long>(b) * tiles + i) < s_best[b]);
+            for (int b = 0; b < nb; ++b)
+                on |= !(__ldcg(hi + static_cast<long long>(b) * tiles + i) < key_bound(__ldcg(bounds + b)));
             if (on) {
                 s_list[atomicAdd(&s_n, 1)] = i;
             } else {
@@ -1663,26 +1663,40 @@ __global__ void __launch_bounds__(Q8F_WARPS * 32, P <= 3 ? 2 : 1)
 }
 
 // The screened float32 LM head's exact blocks: block k of this grid takes the exact kernel's
-// blocks k per, ..., (k + 1) per - 1 of `grid` (per = ceil(grid / gridDim.x)) and runs
-// linear_kernel's code as each block whose hi reaches the row's bound (a NaN counts), with its
-// bits; the others get the partials (-inf, -1), which argmax_partials_kernel skips.
+// blocks k per, ..., (k + 1) per - 1 of `grid` (per = ceil(grid / gridDim.x)), a thread each,
+// lists those whose hi reaches the row's bound (a NaN counts) and runs linear_kernel's code as
+// each listed block, with its bits; the others get the partials (-inf, -1), which
+// argmax_partials_kernel skips. Every thread loads the bound beside its hi: one round trip to
+// L2 before the list (a hi a block at a time was one round trip each, after the bound's).
 template <typename T, typename OutT, int VEC, int RW, int U, int BR, bool LN, int EPI>
 __global__ void __launch_bounds__(MAX_WARPS * 32, linear_min_blocks<VEC, RW, U, BR>())
     linear_list_kernel(LINEAR_ROWS_PARAMS, int grid, const float* hi, const unsigned* bounds) {
     static_assert(EPI == ARGMAX && BR == 1, "the screened LM head: the argmax of one row");
+    __shared__ int s_list[MAX_WARPS * 32], s_n;
     griddep_launch_dependents();
     griddep_wait();  // hi and the bound: the kernel ahead's
-    const float best = key_bound(__ldcg(bounds));
     const int per = (grid + gridDim.x - 1) / gridDim.x, first = blockIdx.x * per, end = min(grid, first + per);
-    for (int g = first; g < end; ++g) {
-        if (!(__ldcg(hi + g) < best)) {
+    for (int g0 = first; g0 < end; g0 += blockDim.x) {
+        const int g = g0 + threadIdx.x;
+        __syncthreads();  // the listed blocks before have read s_list and the shared memory
+        if (threadIdx.x == 0) s_n = 0;
+        __syncthreads();
+        if (g < end) {
+            if (!(__ldcg(hi + g) < key_bound(__ldcg(bounds)))) {
+                s_list[atomicAdd(&s_n, 1)] = g;
+            } else {
+                part_val[g] = -INFINITY;
+                part_idx[g] = -1;
+            }
+        }
+        __syncthreads();
+        const int n = s_n;
+        for (int e = 0; e < n; ++e) {
+            const int listed = s_list[e];
             __syncthreads();  // the block before is done with the shared memory
             linear_rows<T, OutT, VEC, RW, U, BR, LN, EPI, true>(y, x, W, bias, ln_w, ln_b, eps, res, part_val, part_idx,
                                                                 k_cache, v_cache, positions, seq_lens, H, S_max, B, N,
-                                                                K, -1, g, grid);
-        } else if (threadIdx.x == 0) {
-            part_val[g] = -INFINITY;
-            part_idx[g] = -1;
+                                                                K, -1, listed, grid);
         }
     }
 }
