@@ -10,13 +10,14 @@
 // of TILE_KEYS = 4 GROUPS keys (16 in 16-bit, 8 in float32), key TILE_KEYS t + 4 group + u, each
 // key's dot product over its lanes' VEC dimensions in order and an xor tree over the group.
 // One pass: a warp loads a tile's keys and
-// values together (two tiles in flight), takes the tile's maximum m_t (exact in any order),
-// p = 2^(score - m_t) and the tile's sum p v and sum p in float32 in a fixed order (keys u =
-// 0..3, then the groups' xor tree: every lane ends with the same bits), and keeps them with
-// m_t in shared memory. Then M, the maximum of the m_t (exact in any order); each tile's sums
-// times 2^(m_t - M), rounded once to 64-bit fixed point, are added as integers, by the warp that
-// made them and then across warps. The point: 2^32 for the sums of p (at most 1 a key) and for
-// the sums of p v of 16-bit rows (2.3e-10 absolute; their values are bounded, below); for the
+// values together (two tiles in flight, the warp's last two computed together), takes the
+// tile's maximum m_t (exact in any order), p = 2^(score - m_t) and the tile's sum p v and sum p
+// in float32 in a fixed order (keys u = 0..3, then the groups' xor tree, as a reduce-scatter),
+// and keeps them with m_t in shared memory. Then M, the maximum of the m_t (exact in any
+// order); each tile's sums times 2^(m_t - M), rounded once to 64-bit fixed point, are added as
+// integers, by the warp that made them and then across warps. The point: 2^32 for the sums of
+// p (at most 1 a key) and for the sums of p v of 16-bit rows (2.3e-10 absolute; their values
+// are bounded, below); for the
 // sums of p v of float32 rows, whose values are not, a power of two chosen from a bound on
 // every tile's sums (the maximum over tiles of the binary exponent of the tile's largest sum
 // plus m_t, exact in any order), so that the integers cannot overflow and the largest sum keeps
@@ -60,11 +61,118 @@ template <typename T> struct Tiling {
     static constexpr int TILES = MAX_KEYS / TILE_KEYS;
 };
 
-template <typename T, int N> __device__ __forceinline__ void unpack(const uint4& raw, float (&v)[N]) {
+template <typename T, int N> __device__ __forceinline__ void unpack(const uint4 raw, float (&v)[N]) {
     static_assert(N * sizeof(T) == 16, "a 16-byte load");
     const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
     for (int i = 0; i < N; ++i) v[i] = to_float(e[i]);
+}
+
+// N tiles of one warp at once, their instructions interleaved (the warp's last two tiles, where
+// no loads follow: at 264 keys in 16 warps, warp 0's 17th tile would otherwise run alone after
+// its first): kr[n], vr[n] the rows of tile t[n] that this lane holds (key 4 grp + u of the
+// tile, VEC dimensions from sub VEC). Each tile's scores (each key's dot product over its LPK
+// lanes by an xor tree), their maximum m_t (exact in any order), p = 2^(score - m_t), and sum
+// p v, sum p in float32 in a fixed order (keys u = 0..3, then the groups' xor tree), kept in
+// shared memory with m_t; wmax: the warp's running maximum (the same in every lane), wbound
+// (float32 rows): the largest binary exponent of the lane's sums plus m_t.
+//
+// The groups' xor tree of the sums p v is a reduce-scatter: at each level a lane keeps half
+// its dimensions, adds the other lane's copy of them and sends it the other half, so each sum
+// is the tree's own (the bits of every lane adding all of them) and each lane ends with 2
+// dimensions: 4 + 2 shuffles and adds in 16-bit (2 in float32) instead of 16 (4). The same
+// scatter for the dot products (the 4 keys over the tree's first two levels, the scores
+// gathered back: 7 shuffles instead of 12, in two more dependent levels) lost at batch 8 and
+// gained less at batch 1: GPT-2 small float16 223.8 / 224.1 against 221.3 / 221.5 us a sweep
+// at batch 8, 165.8 / 165.7 against 165.1 / 165.2 at batch 1, XL 1302.8 / 1303.3 against
+// 1300.3 / 1301.2 (H200, benchmarks/results/fixed_attention_ab-h200.log). This function, with M
+// read by every thread (below), against one tile at a time, the plain xor trees and thread 0
+// folding the warps' maxima: 164.8 / 165.2 against 168.7 / 168.4 us at batch 1, XL 1302.8 /
+// 1304.3 against 1313.6 / 1312.5, small at batch 8 221.9 / 221.2 against 221.8 / 221.5, the same
+// bits (fixed_attention_ab2-h200.log, fixed_attention_kept_bits-h200.log).
+template <typename T, int N>
+__device__ __forceinline__ void attend(const uint4 (*kr)[4], const uint4 (*vr)[4], const int (&t)[N],
+                                       const float (&qv)[Tiling<T>::VEC], int len, int lane,
+                                       float (*s_o)[HD], float* s_m, float* s_l, float& wmax, float& wbound) {
+    constexpr int VEC = Tiling<T>::VEC, LPK = Tiling<T>::LPK, TILE_KEYS = Tiling<T>::TILE_KEYS;
+    static_assert(VEC / Tiling<T>::GROUPS == 2, "each lane keeps 2 dimensions of a tile's sums");
+    const int grp = lane / LPK, sub = lane % LPK;
+    float d[N][4];
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            float kf[VEC];
+            unpack<T>(kr[n][u], kf);
+            float x = 0.0f;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) x = __fmaf_rn(qv[i], kf[i], x);
+            d[n][u] = x;
+        }
+    }
+#pragma unroll
+    for (int off = LPK / 2; off > 0; off >>= 1) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) d[n][u] = __fadd_rn(d[n][u], __shfl_xor_sync(0xffffffffu, d[n][u], off));
+        }
+    }
+    float sc[N][4], mt[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) sc[n][u] = t[n] * TILE_KEYS + grp * 4 + u < len ? d[n][u] : -INFINITY;
+        mt[n] = fmaxf(fmaxf(sc[n][0], sc[n][1]), fmaxf(sc[n][2], sc[n][3]));
+    }
+#pragma unroll
+    for (int off = LPK; off < 32; off <<= 1) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) mt[n] = fmaxf(mt[n], __shfl_xor_sync(0xffffffffu, mt[n], off));
+    }
+    float o[N][VEC], l[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) o[n][i] = 0.0f;
+        l[n] = 0.0f;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const float p = sc[n][u] == -INFINITY ? 0.0f : exp2_approx(sc[n][u] - mt[n]);
+            float vf[VEC];
+            unpack<T>(vr[n][u], vf);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) o[n][i] = __fmaf_rn(p, vf[i], o[n][i]);
+            l[n] = __fadd_rn(l[n], p);
+        }
+    }
+    int base = 0;  // the first of this lane's 2 dimensions within its VEC
+#pragma unroll
+    for (int off = LPK, half = VEC / 2; off < 32; off <<= 1, half >>= 1) {  // the tile's groups
+        const bool hi = lane & off;
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+#pragma unroll
+            for (int i = 0; i < half; ++i) {
+                const float send = hi ? o[n][i] : o[n][half + i];
+                o[n][i] = __fadd_rn(hi ? o[n][half + i] : o[n][i], __shfl_xor_sync(0xffffffffu, send, off));
+            }
+            l[n] = __fadd_rn(l[n], __shfl_xor_sync(0xffffffffu, l[n], off));
+        }
+        base += hi ? half : 0;
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        *reinterpret_cast<float2*>(&s_o[t[n]][sub * VEC + base]) = make_float2(o[n][0], o[n][1]);
+        s_m[t[n]] = mt[n], s_l[t[n]] = l[n];  // (every lane, the same values: no branch)
+        wmax = fmaxf(wmax, mt[n]);
+        if constexpr (sizeof(T) == 4) {  // |sum| < 2^e (e: the biased exponent - 126; subnormals and
+                                         // 0 take -126); scaled by 2^(m_t - M), < 2^(e + m_t - M)
+            const float big = fmaxf(fabsf(o[n][0]), fabsf(o[n][1]));
+            const int e = max((__float_as_int(big) >> 23) & 0xff, 1) - 126;
+            wbound = fmaxf(wbound, static_cast<float>(e) + mt[n]);
+        }
+    }
 }
 }  // namespace
 
@@ -76,12 +184,13 @@ __global__ void __launch_bounds__(THREADS, sizeof(T) == 4 ? 1 : 0)
                            const T* __restrict__ v_cache, const int* __restrict__ seq_lens, int H, int S_max,
                            float scale, long long q_sb, const int* __restrict__ positions, int early) {
     constexpr int WARPS = THREADS / 32;
+    static_assert(WARPS % 4 == 0, "the warps' maxima read 4 at a time");
     constexpr int VEC = Tiling<T>::VEC, LPK = Tiling<T>::LPK, TILE_KEYS = Tiling<T>::TILE_KEYS;
     constexpr bool WIDE = sizeof(T) == 4;  // float32 rows: the fixed point follows the sums (above)
     __shared__ float s_o[Tiling<T>::TILES][HD];  // each tile's sum p v, sum p and maximum
     __shared__ float s_l[Tiling<T>::TILES], s_m[Tiling<T>::TILES];
-    __shared__ float s_wmax[WARPS], s_wbound[WARPS];
-    __shared__ float s_bmax, s_bbound;
+    __shared__ __align__(16) float s_wmax[WARPS];
+    __shared__ __align__(16) float s_wbound[WARPS];
     __shared__ long long s_warp[WARPS][HD + 1];  // each warp's fixed-point sums: p v [64], p
     __shared__ bool s_finite[WARPS];
     const int h = blockIdx.x, b = blockIdx.y;
@@ -105,30 +214,30 @@ __global__ void __launch_bounds__(THREADS, sizeof(T) == 4 ? 1 : 0)
     const int t0 = warp, stride = WARPS;
     const int rows_max = min(S_max, MAX_KEYS);
     const int early_rows = positions != nullptr ? min(positions[b], rows_max) : 0;
-    uint4 k0[4], v0[4], k1[4], v1[4];
-    load_rows(kc, t0, early_rows, k0);
-    load_rows(vc, t0, early_rows, v0);
-    load_rows(kc, t0 + stride, early_rows, k1);
-    load_rows(vc, t0 + stride, early_rows, v1);
+    uint4 kr[2][4], vr[2][4];  // the warp's tiles t0 and t0 + stride
+    load_rows(kc, t0, early_rows, kr[0]);
+    load_rows(vc, t0, early_rows, vr[0]);
+    load_rows(kc, t0 + stride, early_rows, kr[1]);
+    load_rows(vc, t0 + stride, early_rows, vr[1]);
     if (early) griddep_launch_dependents();
     griddep_wait();  // (programmatic dependent launch: q, the lengths and the appended rows are the kernel ahead's)
     if (!early) griddep_launch_dependents();
     if (positions == nullptr) {
-        load_rows(kc, t0, rows_max, k0);
-        load_rows(vc, t0, rows_max, v0);
-        load_rows(kc, t0 + stride, rows_max, k1);
-        load_rows(vc, t0 + stride, rows_max, v1);
+        load_rows(kc, t0, rows_max, kr[0]);
+        load_rows(vc, t0, rows_max, vr[0]);
+        load_rows(kc, t0 + stride, rows_max, kr[1]);
+        load_rows(vc, t0 + stride, rows_max, vr[1]);
     } else if (early_rows < rows_max) {
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const long long at = static_cast<long long>(early_rows) * HD;
             if (t0 * TILE_KEYS + grp * 4 + u == early_rows) {
-                k0[u] = __ldcg(reinterpret_cast<const uint4*>(kc + at));
-                v0[u] = __ldcg(reinterpret_cast<const uint4*>(vc + at));
+                kr[0][u] = __ldcg(reinterpret_cast<const uint4*>(kc + at));
+                vr[0][u] = __ldcg(reinterpret_cast<const uint4*>(vc + at));
             }
             if ((t0 + stride) * TILE_KEYS + grp * 4 + u == early_rows) {
-                k1[u] = __ldcg(reinterpret_cast<const uint4*>(kc + at));
-                v1[u] = __ldcg(reinterpret_cast<const uint4*>(vc + at));
+                kr[1][u] = __ldcg(reinterpret_cast<const uint4*>(kc + at));
+                vr[1][u] = __ldcg(reinterpret_cast<const uint4*>(vc + at));
             }
         }
     }
@@ -141,101 +250,49 @@ __global__ void __launch_bounds__(THREADS, sizeof(T) == 4 ? 1 : 0)
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
         const uint4 z = make_uint4(0, 0, 0, 0);
-        if (t0 * TILE_KEYS + grp * 4 + u >= len) k0[u] = v0[u] = z;
-        if ((t0 + stride) * TILE_KEYS + grp * 4 + u >= len) k1[u] = v1[u] = z;
+        if (t0 * TILE_KEYS + grp * 4 + u >= len) kr[0][u] = vr[0][u] = z;
+        if ((t0 + stride) * TILE_KEYS + grp * 4 + u >= len) kr[1][u] = vr[1][u] = z;
     }
 
-    // One pass over the warp's tiles, two in flight: each tile's keys and values together, its
-    // scores, their maximum m_t (exact in any order), p = 2^(score - m_t), and sum p v, sum p
-    // in float32 in a fixed order (keys u = 0..3, then the groups' xor tree: every lane ends
-    // with the same bits), kept in shared memory with m_t. float32 rows: each lane also keeps
-    // the largest binary exponent of its sums plus m_t (wbound).
+    // One pass over the warp's tiles, two in flight: each tile's keys and values together
+    // (attend, above); the last two together.
     float wmax = -INFINITY, wbound = -INFINITY;
-    auto do_tile = [&](const uint4 (&kr)[4], const uint4 (&vr)[4], int t) {
-        float sc[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int s = t * TILE_KEYS + grp * 4 + u;
-            float kf[VEC];
-            unpack<T>(kr[u], kf);
-            float d = 0.0f;
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) d = __fmaf_rn(qv[i], kf[i], d);
-#pragma unroll
-            for (int off = LPK / 2; off > 0; off >>= 1) d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, off));
-            sc[u] = s < len ? d : -INFINITY;
-        }
-        float mt = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
-#pragma unroll
-        for (int off = LPK; off < 32; off <<= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
-        float o[VEC];
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) o[i] = 0.0f;
-        float l = 0.0f;
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const float p = sc[u] == -INFINITY ? 0.0f : exp2_approx(sc[u] - mt);
-            float vf[VEC];
-            unpack<T>(vr[u], vf);
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) o[i] = __fmaf_rn(p, vf[i], o[i]);
-            l = __fadd_rn(l, p);
-        }
-#pragma unroll
-        for (int off = LPK; off < 32; off <<= 1) {  // the tile's groups
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) o[i] = __fadd_rn(o[i], __shfl_xor_sync(0xffffffffu, o[i], off));
-            l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, off));
-        }
-        if (grp == 0) {
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) s_o[t][sub * VEC + i] = o[i];
-            if (sub == 0) s_m[t] = mt, s_l[t] = l;
-        }
-        wmax = fmaxf(wmax, mt);
-        if constexpr (WIDE) {  // |sum| < 2^e (e: the biased exponent - 126; subnormals and 0 take
-                               // -126); scaled by 2^(m_t - M), < 2^(e + m_t - M)
-            float big = 0.0f;
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) big = fmaxf(big, fabsf(o[i]));
-            const int e = max((__float_as_int(big) >> 23) & 0xff, 1) - 126;
-            wbound = fmaxf(wbound, static_cast<float>(e) + mt);
-        }
-    };
-    if (t0 < tiles) do_tile(k0, v0, t0);
-    load_rows(kc, t0 + 2 * stride, len, k0);
-    load_rows(vc, t0 + 2 * stride, len, v0);
-    if (t0 + stride < tiles) do_tile(k1, v1, t0 + stride);
-    load_rows(kc, t0 + 3 * stride, len, k1);
-    load_rows(vc, t0 + 3 * stride, len, v1);
-    for (int t = t0 + 2 * stride; t < tiles; t += 2 * stride) {
-        do_tile(k0, v0, t);
-        load_rows(kc, t + 2 * stride, len, k0);
-        load_rows(vc, t + 2 * stride, len, v0);
-        if (t + stride < tiles) do_tile(k1, v1, t + stride);
-        load_rows(kc, t + 3 * stride, len, k1);
-        load_rows(vc, t + 3 * stride, len, v1);
+    int t = t0;  // kr[0] holds tile t, kr[1] tile t + stride
+    while (t + 2 * stride < tiles) {  // tiles after these two: each one's loads requested behind it
+        attend<T, 1>(kr, vr, {t}, qv, len, lane, s_o, s_m, s_l, wmax, wbound);
+        load_rows(kc, t + 2 * stride, len, kr[0]);
+        load_rows(vc, t + 2 * stride, len, vr[0]);
+        attend<T, 1>(kr + 1, vr + 1, {t + stride}, qv, len, lane, s_o, s_m, s_l, wmax, wbound);
+        load_rows(kc, t + 3 * stride, len, kr[1]);
+        load_rows(vc, t + 3 * stride, len, vr[1]);
+        t += 2 * stride;
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, off));
-    if (lane == 0) s_wmax[warp] = wmax;
+    if (t < tiles) {  // (this form, and the stores above from every lane: no stack in ptxas's sm_80 code)
+        if (t + stride < tiles) {
+            attend<T, 2>(kr, vr, {t, t + stride}, qv, len, lane, s_o, s_m, s_l, wmax, wbound);
+        } else {
+            attend<T, 1>(kr, vr, {t}, qv, len, lane, s_o, s_m, s_l, wmax, wbound);
+        }
+    }
+    if (lane == 0) s_wmax[warp] = wmax;  // (every lane holds the same: the tiles' maxima are the warp's)
     if constexpr (WIDE) {
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) wbound = fmaxf(wbound, __shfl_xor_sync(0xffffffffu, wbound, off));
         if (lane == 0) s_wbound[warp] = wbound;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        float m = -INFINITY, bound = -INFINITY;
-        for (int w = 0; w < WARPS; ++w) {
-            m = fmaxf(m, s_wmax[w]);
-            if constexpr (WIDE) bound = fmaxf(bound, s_wbound[w]);
+    // M, the block's maximum (and float32's bound), read by every thread: no thread waits for
+    // another to fold them.
+    float M = -INFINITY, bound = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; w += 4) {
+        const float4 m4 = *reinterpret_cast<const float4*>(&s_wmax[w]);
+        M = fmaxf(fmaxf(fmaxf(M, m4.x), m4.y), fmaxf(m4.z, m4.w));
+        if constexpr (WIDE) {
+            const float4 b4 = *reinterpret_cast<const float4*>(&s_wbound[w]);
+            bound = fmaxf(fmaxf(fmaxf(bound, b4.x), b4.y), fmaxf(b4.z, b4.w));
         }
-        s_bmax = m;
-        s_bbound = bound;
     }
-    __syncthreads();
-    const float M = s_bmax;
     // float32's point for the sums of p v, 2^k: every scaled sum is below 2^E, E = ceil(bound -
     // M) + 1 (one for the rounding of e + m_t), and at most TILES = 2^7 of them add up, so k =
     // 55 - E keeps the total under 2^62. (E >= -124: the tile holding M has e >= -125; the clamp
@@ -245,7 +302,7 @@ __global__ void __launch_bounds__(THREADS, sizeof(T) == 4 ? 1 : 0)
     float fix_a = 1.0f, fix_b = 1.0f, back_a = 1.0f, back_b = 1.0f;
     if constexpr (WIDE) {
         static_assert(Tiling<T>::TILES <= 128, "the fixed point's headroom");
-        const float E = ceilf(s_bbound - M) + 1.0f;
+        const float E = ceilf(bound - M) + 1.0f;
         const int k = isfinite(E) ? 55 - static_cast<int>(fminf(fmaxf(E, -160.0f), 160.0f)) : 0;  // [-105, 215]
         auto pow2 = [](int n) { return __int_as_float((n + 127) << 23); };  // n in [-126, 127]
         fix_a = pow2(k / 2), fix_b = pow2(k - k / 2);
