@@ -691,7 +691,7 @@ def _launch(x, weight, bias, ln, res, out, part, kv, out_type, epi, B, N, K, til
     smem = br * K * 4
     _build.set_smem(kern, smem)
     blocks = _grid(N, tile, warps)
-    if part is not None and callable(part):
+    if callable(part):
         part = part(blocks)
     args = _args(out, x, weight, bias, ln, res, part, kv, B, N, K) + (i32(TRIGGERS.index(trigger)),)
     grid = blocks

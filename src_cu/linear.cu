@@ -1486,8 +1486,9 @@ __global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
 // 4 w + 3 of a group, lane l the 8-byte pieces l, l + 32, ... (at most P) of each row, with
 // x's values of the same columns in registers (every warp normalizes x by itself, in the same
 // order: no barrier). The next group's pieces are requested before this group's are used
-// where P <= 4; two blocks an SM where P <= 3 (at P = 4, 128 registers spilled 72 bytes on sm_80). hi[g]: the largest A + e of group g (a NaN counts); bounds[0]: the largest A -
-// e over all rows (atomicMax of the order keys, once a block). linear_list_kernel computes the
+// where P <= 4; two blocks an SM where P <= 3 (at P = 4, 128 registers spilled 72 bytes on
+// sm_80). hi[g]: the largest A + e of group g (a NaN counts); bounds[0]: the largest A - e over
+// all rows (atomicMax of the order keys, once a block). linear_list_kernel computes the
 // groups whose hi reaches that bound with linear_kernel's code and bits and gives the others
 // the partials (-inf, -1); argmax_partials_kernel then picks the token (and sets the bound
 // back to zero).

@@ -798,7 +798,7 @@ def test_float32_steps_screen_the_head(small, monkeypatch):
     import cupy_kernels as K
     import gpt2_cupy.model as M
 
-    hf, model = small
+    hf, _ = small
     rng = np.random.default_rng(31)
     prompts = [rng.integers(0, 50257, int(n)).tolist() for n in (1, 7, 40)]
     seen, real = [], K.linear_argmax
