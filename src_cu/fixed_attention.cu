@@ -89,7 +89,10 @@ template <typename T, int N> __device__ __forceinline__ void unpack(const uint4 
 // read by every thread (below), against one tile at a time, the plain xor trees and thread 0
 // folding the warps' maxima: 164.8 / 165.2 against 168.7 / 168.4 us at batch 1, XL 1302.8 /
 // 1304.3 against 1313.6 / 1312.5, small at batch 8 221.9 / 221.2 against 221.8 / 221.5, the same
-// bits (fixed_attention_ab2-h200.log, fixed_attention_kept_bits-h200.log).
+// bits (fixed_attention_ab2-h200.log, fixed_attention_kept_bits-h200.log). The 16-bit scores on
+// mma.sync instead (the tile's keys as the A operand, q in every column of B, one shuffle a key
+// to this layout) lost at batch 1: GPT-2 small 167.2 against 165.4 us, though batch 8 took 219.3
+// against 222.5 (H200, benchmarks/results/fixed_attention_mma_qk-h200.log; NOTES.md).
 template <typename T, int N>
 __device__ __forceinline__ void attend(const uint4 (*kr)[4], const uint4 (*vr)[4], const int (&t)[N],
                                        const float (&qv)[Tiling<T>::VEC], int len, int lane,
