@@ -49,7 +49,12 @@ LOOKAHEAD = 4  # decode steps continuous batching queues ahead of the host's rea
 # steps_per_graph-h100.json, publish_tokens in the chain): GPT-2 small at batch 1 185.76 /
 # 188.27 / 186.69 / 185.30 (calls 187.3 / 189.7 / 188.2 / 186.9), XL 1508.91 / 1511.42 /
 # 1510.04 / 1507.48 (1513.1 / 1515.9 / 1514.4 / 1511.8). Eight would take 0.25% more off GPT-2
-# small's step at twice the wasted steps after an end-of-text.
+# small's step at twice the wasted steps after an end-of-text. H200, 4 / 8 / 16 steps a graph
+# (benchmarks/results/steps_per_graph-h200.json, sweeps): GPT-2 small float16 at batch 1 165.06
+# / 164.20 / 163.84, at batch 8 219.56 / 218.37 / 217.72, XL 1295.07 / 1293.97 / 1293.03. 16
+# would save GPT-2 small 1.2 us a token (0.6 ms over 512 tokens), but a call that ends on an
+# end-of-text token can run up to two graphs past it (the host learns of a graph's tokens at its
+# end): about 31 steps, 5 ms of GPT-2 small's or 40 ms of XL's, against 7 steps at 4.
 STEPS_PER_GRAPH = 4
 # In the graph of several steps, each step's publish_tokens runs on a branch of the graph beside
 # the chain (after its step's argmax), joining the chain before the next step's LM head (whose
