@@ -19,6 +19,23 @@ from cupy_kernels.fixed_attention import HEAD_DIM as FIXED_HEAD_DIM
 from cupy_kernels.fixed_attention import THREADS as FIXED_THREADS
 
 
+def screened_head(r, dtype):
+    """The screened LM head (linear_argmax's screen=): its 8-bit pass, exact tiles and argmax,
+    on ragged tiles, 1 to 8 rows, and a weight with a row that is not finite (every tile)."""
+    def small(*shape):  # (scaled in float32)
+        return (r(*shape, dtype=np.float32) * 0.05).astype(dtype)
+
+    for B, C, N in ((1, 768, 5000), (3, 72, 129), (8, 776, 1000), (2, 1600, 300)):
+        x, wt = r(B, C, dtype=dtype), small(N, C)
+        stats = cp.empty((B, -(-C // 16), 2), dtype=np.float32)
+        K.linear(r(B, C, dtype=dtype), small(C, C), residual=x, out=x, stats_out=stats)
+        u, c = r(N, dtype=np.float32), r(N, dtype=np.float32)
+        fold = (stats, u, c, 1e-5)
+        K.linear_argmax(x, wt, ln_fold=fold, screen=K.quantize_rows(wt), advance=cp.zeros(B, np.int32))
+        wt[N // 2, 3] = np.nan
+        K.linear_argmax(x, wt, ln_fold=fold, screen=K.quantize_rows(wt))
+
+
 def main():
     rng = np.random.default_rng(0)
 
@@ -162,6 +179,8 @@ def main():
                     if t.smem_bytes <= _build.smem_optin():
                         K.gemm(x, wt, tiles=name)
                         K.gemm(x, wt, bias, gelu=True, tiles=name)
+        if dtype != np.float32:
+            screened_head(r, dtype)
         logits = r(3, 50257, dtype=dtype)
         K.argmax(logits)
         K.sample(logits, seed=1, offset=0, temperature=0.9, top_k=40, top_p=0.9)

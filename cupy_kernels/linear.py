@@ -934,7 +934,13 @@ def linear_argmax(x, weight, bias=None, *, ln=None, ln_fold=None, logits=None, o
 
 SCREEN_MAX_ROWS = 8  # linear.cu's: rows of x a screened LM head takes
 _Q8_TILE = 16  # rows of W a tile of linear_q8_max_kernel (and of linear_mma_kernel at one m-tile)
-_Q8_CHUNKS = 8  # linear.cu's Q8_BATCH: chunks of 32 values a warp takes of each row
+_Q8W_WARPS = 4  # linear.cu's Q8W_WARPS: warps a block of linear_q8_max_kernel, a tile a warp
+# Its blocks an SM (at most 4: its launch bounds). H200, us a sweep of 512 replays from 8 cached
+# keys, 4 / 2 / 3 blocks (benchmarks/results/q8_warp_blocks-h200.json): GPT-2 small float16 at
+# batch 1 164.69 / 168.93 / 163.71, at batch 2 171.77 / 175.72 / 171.19, XL 1296.26 / 1302.55 /
+# 1297.08. At 3, GPT-2's 3,142 tiles are about two a warp (1,584 warps); at 4 (2,112 warps) half
+# the warps take two and half one.
+_Q8W_BLOCKS_PER_SM = 3
 
 
 def quantize_rows(weight) -> tuple:
@@ -999,8 +1005,6 @@ def _check_screen(screen, x, weight, N: int, K: int, B: int, ln, ln_fold, logits
         raise ValueError(f"screen takes 1 to {SCREEN_MAX_ROWS} rows of x, got {B}")
     if not _tensor_cores(x, weight, K, None):
         raise TypeError("screen needs float16 / bfloat16 rows of 16-byte vectors (the tensor-core product)")
-    if _build.cdiv(K, 32) > _Q8_CHUNKS * _mma_warps(K):
-        raise ValueError(f"screen takes rows of at most {32 * _Q8_CHUNKS} values a warp: K = {K} is too wide")
     return q, scale
 
 
@@ -1057,12 +1061,11 @@ def _screen_pass(x, screen, ln_fold, B: int, N: int, K: int) -> tuple:
     tiles = _build.cdiv(N, _Q8_TILE)
     hi = cupy.empty((B, tiles), dtype=numpy.float32)
     bounds = cupy.zeros(B, dtype=numpy.uint32)
-    kw = _mma_warps(K)
-    blocks = min(tiles, _build.sm_count(cupy.cuda.Device().id) * max(1, MMA_MAX_WARPS // kw))
     kern = _build.kernel(_SRC, f"linear_q8_max_kernel<{_build.ctype(x.dtype)}>")
-    smem = max(kw * 8 * MMA_RED_STRIDE * 4, 8 * _build.cdiv(K, STATS_COLS) * 8)
+    smem = B * (_build.cdiv(K, 32) * 32 + 8) * 2 + B * _build.cdiv(K, STATS_COLS) * 8  # x as float16, its sets
     _build.set_smem(kern, smem)
-    kern((blocks,), (32 * kw,), (hi, x, q, scale, u, c, stats, f32(eps), i32(B), i32(N), i32(K), bounds),
+    blocks = min(_build.cdiv(tiles, _Q8W_WARPS), _Q8W_BLOCKS_PER_SM * _build.sm_count(cupy.cuda.Device().id))
+    kern((blocks,), (32 * _Q8W_WARPS,), (hi, x, q, scale, u, c, stats, f32(eps), i32(B), i32(N), i32(K), bounds),
          shared_mem=smem)
     return hi, bounds
 

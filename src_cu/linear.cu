@@ -1270,24 +1270,33 @@ __global__ void ln_rows_kernel(T* out, const T* x, const T* __restrict__ ln_w, c
 // rounding of the quantization and of |x_b|_1, the last term the rounding of the epilogue's
 // three operations on either side. linear_q8_max_kernel writes, per row b and tile of 16 rows,
 // hi = max (A + e), and keeps lo = max (A - e) of its own tiles: row b's largest E is at least
-// M_b = max lo over the tiles (bounds[b]: its blocks' largest lo meet there by atomicMax), and
+// M_b = max lo over the tiles (bounds[b]: its warps' largest lo meet there by atomicMax), and
 // no row of a tile exceeds its hi. linear_mma_list_kernel computes E on the tiles whose hi
 // reaches M_b for some row b alone (a NaN counts, or every tile: rows of W that are not finite,
 // rows of x that are not or whose bfloat16 values leave float16's range take the exact path),
 // with the bits linear_mma_kernel gives them: their argmax, with its first index, is the argmax
 // over all N rows.
 //
-// linear_q8_max_kernel: blocks of KW warps walking tiles blockIdx.x, + gridDim.x, ..., each
-// tile's W (a warp's chunks of 32 columns: every KW-th, at most Q8_BATCH) requested before the
-// tile ahead is multiplied, one 16-byte load a lane a chunk: a warp's load reads 512
-// contiguous bytes (the rows' layout took two 8-byte loads, 8 rows x 32 bytes each); x's rows
-// (1 to 8, the 8 columns of mma.sync m16n8k16) loaded once a block and kept in registers as
-// float16 (W's bytes become float16 by a byte permute and one subtraction, exact). Bytes: N K
-// of W (half the product's) + 12 N of scale, u and c; the list kernel reads the upper bounds,
-// 4 B N / 16 bytes. Where few tiles are computed (1 to 3 of GPT-2's 3,142 in a diagnostic
-// run's 512-token calls of random weights), the LM head reads about half its bytes.
+// linear_q8_max_kernel: a tile a warp. Warp w of the grid walks tiles w, w + warps, ..., each
+// tile's chunks of 32 columns in items of Q8_BATCH chunks, one 16-byte load a lane a chunk (a
+// warp's load reads 512 contiguous bytes; the rows' layout took two 8-byte loads, 8 rows x 32
+// bytes each), the next item requested before the current one is multiplied, across tiles too.
+// The warp's accumulators hold its whole tile, so the epilogue (the bounds of rows g and g + 8,
+// the tile's largest over its 16 rows by shuffles) needs no block barrier and no shared memory.
+// x's rows (1 to 8, the 8 columns of mma.sync m16n8k16) are staged once a block in shared memory
+// as float16, with |x|_1 and the rows' mean and rstd; W's bytes become float16 by a byte permute
+// and one subtraction, exact. The bound e holds for the sums in any order. Against the form it
+// replaced (blocks of KW warps a tile, each warp every KW-th chunk, the warps' partial tiles
+// added through shared memory between two block barriers a tile): H200, us a sweep of 512
+// replays from 8 cached keys (benchmarks/results/q8_warp_tiles-h200.json, 4 blocks an SM),
+// GPT-2 small float16 at batch 1 164.76 against 165.44, at batch 2 171.92 against 172.48,
+// bfloat16 167.90 against 167.86, XL 1298.22 against 1301.09; at 3 blocks an SM (linear.py's
+// _Q8W_BLOCKS_PER_SM) 0.6% less again for GPT-2 small. Bytes: N K of W (half the product's) + 12 N of scale, u
+// and c; the list kernel reads the upper bounds, 4 B N / 16 bytes. Where few tiles are computed
+// (1 to 3 of GPT-2's 3,142 in a diagnostic run's 512-token calls of random weights), the LM head
+// reads about half its bytes.
 namespace {
-constexpr int Q8_BATCH = 8;  // chunks of W a warp takes of each row (K <= 32 x 8 x KW: the wrapper)
+constexpr int Q8_BATCH = 8;  // chunks of W an item: a warp's 8 16-byte loads a lane
 
 // 8 bytes q + 128 as 8 float16 values q (1024 + byte, minus 1152: exact)
 __device__ __forceinline__ uint4 q8_to_half8(uint2 r) {
@@ -1324,132 +1333,137 @@ __device__ __forceinline__ float max_nan(float a, float b) { return a != a || b 
 
 }  // namespace
 
+constexpr int Q8W_WARPS = 4;  // warps a block (linear.py's _Q8W_WARPS)
+
 template <typename T>
-__global__ void __launch_bounds__(MMA_MAX_WARPS * 32)
-    linear_q8_max_kernel(float* __restrict__ hi, const T* x,
-                         const unsigned char* __restrict__ Wq, const float* __restrict__ scale,
-                         const float* __restrict__ fold_u, const float* __restrict__ fold_c, const float2* stats_in,
-                         float eps, int B, int N, int K, unsigned* __restrict__ bounds) {
-    constexpr int COLS = 8, TM = 16;
+__global__ void __launch_bounds__(Q8W_WARPS * 32, 4)
+    linear_q8_max_kernel(float* __restrict__ hi, const T* x, const unsigned char* __restrict__ Wq,
+                          const float* __restrict__ scale, const float* __restrict__ fold_u,
+                          const float* __restrict__ fold_c, const float2* stats_in, float eps, int B, int N, int K,
+                          unsigned* __restrict__ bounds) {
+    constexpr int COLS = 8, TM = 16, CH = Q8_BATCH;
     extern __shared__ float4 smem4[];
-    float* red = reinterpret_cast<float*>(smem4);     // [KW][COLS][RED_STRIDE] partial tiles
-    float2* sets = reinterpret_cast<float2*>(smem4);  // [COLS][n_sets], before red is written
-    __shared__ float s_scale[TM], s_u[TM], s_c[TM], s_mean[COLS], s_rstd[COLS], s_l1[COLS];
-    __shared__ float s_l1w[MMA_MAX_WARPS][COLS];
-    __shared__ float s_blo[COLS];  // each row's largest lo over the block's tiles
+    __shared__ float s_mean[COLS], s_rstd[COLS], s_l1[COLS];
     griddep_launch_dependents();
-    const int KW = blockDim.x >> 5, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int tiles = (N + TM - 1) / TM, nb = min(COLS, B), n_sets = (K + 15) / 16;
-    const int n_chunks = (K + 31) / 32;
-    const int my_chunks = warp < n_chunks ? (n_chunks - 1 - warp) / KW + 1 : 0;  // <= Q8_BATCH (the wrapper)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int tiles = (N + TM - 1) / TM, nb = min(COLS, B), n_sets = (K + 15) / 16, n_chunks = (K + 31) / 32;
+    const int per_tile = (n_chunks + CH - 1) / CH;  // items a tile
+    const int gw = blockIdx.x * Q8W_WARPS + warp, n_w = gridDim.x * Q8W_WARPS;
+    const int items = (gw < tiles ? (tiles - 1 - gw) / n_w + 1 : 0) * per_tile;
+    const int xs_stride = n_chunks * 32 + 8;  // float16 values a row of x takes (16 bytes past the chunks)
+    __half* xs = reinterpret_cast<__half*>(smem4);                    // [nb][xs_stride]
+    float2* sets = reinterpret_cast<float2*>(xs + nb * xs_stride);    // [nb][n_sets]
     const float kf = static_cast<float>(K);
 
-    // tile i's W (all of a warp's chunks: one 16-byte piece a lane each, rows g and g + 8, from
-    // quantize_rows' layout) and, in threads 0..15, its rows' scale, u and c
-    auto load_tile = [&](uint2 (&a)[Q8_BATCH], uint2 (&b)[Q8_BATCH], float (&rc)[3], int tile) {
-        const int m0 = tile * TM;
-        const unsigned char* wp = Wq + static_cast<long long>(tile) * n_chunks * 512 + (warp * 32 + lane) * 16;
+    // item i of this warp: its chunks of W, and with a tile's last item its rows' scale, u and c
+    // (rows g: 0..2, g + 8: 3..5; NaN past N, which the epilogue skips)
+    auto load_item = [&](uint4 (&w)[CH], float (&rc)[6], int i) {
+        const int tile = gw + (i / per_tile) * n_w, c0 = (i % per_tile) * CH;
+        const unsigned char* wp = Wq + static_cast<long long>(tile) * n_chunks * 512 + lane * 16;
 #pragma unroll
-        for (int u = 0; u < Q8_BATCH; ++u) {
-            uint4 r = make_uint4(0x80808080u, 0x80808080u, 0x80808080u, 0x80808080u);
-            if (tile < tiles && u < my_chunks) r = load_stream16(wp + u * KW * 512);
-            a[u] = make_uint2(r.x, r.y);
-            b[u] = make_uint2(r.z, r.w);
+        for (int u = 0; u < CH; ++u)
+            w[u] = i < items && c0 + u < n_chunks ? load_stream16(wp + (c0 + u) * 512)
+                                                  : make_uint4(0x80808080u, 0x80808080u, 0x80808080u, 0x80808080u);
+        if (i < items && i % per_tile == per_tile - 1) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int n = tile * TM + g + 8 * h;
+                rc[3 * h] = n < N ? scale[n] : 0.0f;
+                rc[3 * h + 1] = n < N ? fold_u[n] : 0.0f;
+                rc[3 * h + 2] = n < N ? fold_c[n] : 0.0f;
+            }
         }
-        const bool in = threadIdx.x < TM && tile < tiles && m0 + static_cast<int>(threadIdx.x) < N;
-        rc[0] = in ? scale[m0 + threadIdx.x] : 0.0f;
-        rc[1] = in ? fold_u[m0 + threadIdx.x] : 0.0f;
-        rc[2] = in ? fold_c[m0 + threadIdx.x] : 0.0f;
     };
-    uint2 wa0[Q8_BATCH], wb0[Q8_BATCH], wa1[Q8_BATCH], wb1[Q8_BATCH];
-    float rc0[3], rc1[3];
-    load_tile(wa0, wb0, rc0, blockIdx.x);
-    griddep_wait();  // x and its statistics: the previous kernels' work
+    uint4 wa[CH], wb[CH];
+    float ra[6], rb[6];
+    load_item(wa, ra, 0);  // (W only: nothing the kernels before write)
+    griddep_wait();        // x and its statistics: the previous kernels' work
     copy_row_sets(sets, stats_in, 0, nb, n_sets);
     cp_async_commit();
-    uint4 xv[Q8_BATCH];  // the rows of x, for every tile of the block
-    float l1 = 0.0f;     // |x|_1 of row g over this lane's columns
+    // x's rows as float16 into shared memory (zero past K), and |x|_1: warp w rows w, w + 4
+    for (int b = warp; b < nb; b += Q8W_WARPS) {
+        float l1 = 0.0f;
+        for (int p = lane; p < n_chunks * 4; p += 32) {
+            const int col = 8 * p;
+            uint4 raw = make_uint4(0, 0, 0, 0);
+            if (col < K) raw = *reinterpret_cast<const uint4*>(x + static_cast<long long>(b) * K + col);
+            const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-    for (int u = 0; u < Q8_BATCH; ++u) {
-        const int col = 32 * (warp + u * KW) + 8 * t;
-        uint4 raw = make_uint4(0, 0, 0, 0);
-        if (u < my_chunks && g < nb && col < K) raw = *reinterpret_cast<const uint4*>(x + static_cast<long long>(g) * K + col);
-        const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) l1 += fabsf(to_float(e[i]));
-        xv[u] = x_as_half8<T>(raw);
-    }
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    if (t == 0) s_l1w[warp][g] = l1;
-    cp_async_wait<0>();
-    __syncthreads();  // every thread's sets have landed
-    rows_mean_rstd(s_mean, s_rstd, sets, n_sets, nb, K, eps, warp, KW, lane);
-    if (threadIdx.x < COLS) {
-        float s = 0.0f;
-        for (int w = 0; w < KW; ++w) s += s_l1w[w][threadIdx.x];
-        s_l1[threadIdx.x] = s;
-        s_blo[threadIdx.x] = -INFINITY;
-    }
-    __syncthreads();  // the sets are read: their shared memory takes the partial tiles
-
-    auto process = [&](const uint2 (&a)[Q8_BATCH], const uint2 (&b)[Q8_BATCH], const float (&rc)[3], int tile) {
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int u = 0; u < Q8_BATCH; ++u) {
-            const uint4 ra = q8_to_half8(a[u]), rb = q8_to_half8(b[u]);
-            const unsigned a0[4] = {ra.x, rb.x, ra.y, rb.y};  // memory columns 8t .. 8t+3
-            const unsigned a1[4] = {ra.z, rb.z, ra.w, rb.w};  // 8t+4 .. 8t+7
-            mma_m16n8k16<__half>(acc, a0, xv[u].x, xv[u].y);
-            mma_m16n8k16<__half>(acc, a1, xv[u].z, xv[u].w);
+            for (int k = 0; k < 8; ++k) l1 += fabsf(to_float(e[k]));
+            *reinterpret_cast<uint4*>(xs + b * xs_stride + col) = x_as_half8<T>(raw);
         }
-        __syncthreads();  // the tile before's epilogue has read red and the rows' values
-        float* mine = red + warp * COLS * RED_STRIDE;
-        mine[(2 * t) * RED_STRIDE + g] = acc[0];
-        mine[(2 * t + 1) * RED_STRIDE + g] = acc[1];
-        mine[(2 * t) * RED_STRIDE + g + 8] = acc[2];
-        mine[(2 * t + 1) * RED_STRIDE + g + 8] = acc[3];
-        if (threadIdx.x < TM) s_scale[threadIdx.x] = rc[0], s_u[threadIdx.x] = rc[1], s_c[threadIdx.x] = rc[2];
-        __syncthreads();
-        const int m0 = tile * TM;
-        for (int o0 = 0; o0 < TM * nb; o0 += blockDim.x) {  // thread o -> row o % TM of W, row o / TM of x
-            const int o = o0 + threadIdx.x, r = o % TM, bl = o / TM, n = m0 + r;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+        if (lane == 0) s_l1[b] = l1;
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the rows, their |x|_1 and every thread's sets
+    rows_mean_rstd(s_mean, s_rstd, sets, n_sets, nb, K, eps, warp, Q8W_WARPS, lane);
+    __syncthreads();
+    float c_mean[2], c_rstd[2], c_l1[2];  // this lane's columns 2t, 2t + 1 (rows of x)
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int bl = min(2 * t + k, nb - 1);
+        c_mean[k] = s_mean[bl], c_rstd[k] = s_rstd[bl], c_l1[k] = s_l1[bl];
+    }
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float best[2] = {-INFINITY, -INFINITY};  // the best lo of columns 2t, 2t + 1 over the warp's tiles
+
+    auto process = [&](const uint4 (&w)[CH], const float (&rc)[6], int i) {
+        const int c0 = (i % per_tile) * CH;
+#pragma unroll
+        for (int u = 0; u < CH; ++u) {
+            if (c0 + u < n_chunks) {
+                const uint4 qa = q8_to_half8(make_uint2(w[u].x, w[u].y)), qb = q8_to_half8(make_uint2(w[u].z, w[u].w));
+                const unsigned a0[4] = {qa.x, qb.x, qa.y, qb.y};  // memory columns 8t .. 8t+3
+                const unsigned a1[4] = {qa.z, qb.z, qa.w, qb.w};  // 8t+4 .. 8t+7
+                uint4 xv = make_uint4(0, 0, 0, 0);
+                if (g < nb) xv = *reinterpret_cast<const uint4*>(xs + g * xs_stride + 32 * (c0 + u) + 8 * t);
+                mma_m16n8k16<__half>(acc, a0, xv.x, xv.y);
+                mma_m16n8k16<__half>(acc, a1, xv.z, xv.w);
+            }
+        }
+        if (i % per_tile != per_tile - 1) return;
+        // the tile's epilogue: acc is (row g, column 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+        const int tile = gw + (i / per_tile) * n_w, m0 = tile * TM;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int bl = 2 * t + k;
             float h = -INFINITY, l = -INFINITY;
-            if (o < TM * nb && n < N) {
-                float s = 0.0f;
-                for (int w = 0; w < KW; ++w) s += red[w * COLS * RED_STRIDE + bl * RED_STRIDE + r];
-                const float sc = s_scale[r], rstd = s_rstd[bl];
-                s = __fmul_rn(s, sc);
-                const float v = __fadd_rn(unfold_ln(s, s_mean[bl], s_u[r], rstd), s_c[r]);
-                const float err = 0x1p-20f * (rstd * (fabsf(s) + fabsf(s_mean[bl] * s_u[r])) + fabsf(s_c[r]) + fabsf(v))
-                                  + rstd * sc * (s_l1[bl] * (0.5f + kf * 0x1p-14f) + kf * 0x1p-17f) * 1.0625f;
-                h = v + err, l = v - err;
+#pragma unroll
+            for (int r8 = 0; r8 < 2; ++r8) {
+                if (bl < nb && m0 + g + 8 * r8 < N) {
+                    const float sc = rc[3 * r8], u = rc[3 * r8 + 1], c = rc[3 * r8 + 2], rstd = c_rstd[k];
+                    const float s = __fmul_rn(acc[2 * r8 + k], sc);
+                    const float v = __fadd_rn(unfold_ln(s, c_mean[k], u, rstd), c);
+                    const float err = 0x1p-20f * (rstd * (fabsf(s) + fabsf(c_mean[k] * u)) + fabsf(c) + fabsf(v))
+                                      + rstd * sc * (c_l1[k] * (0.5f + kf * 0x1p-14f) + kf * 0x1p-17f) * 1.0625f;
+                    h = max_nan(h, v + err), l = fmaxf(l, v - err);
+                }
             }
 #pragma unroll
-            for (int off = 8; off > 0; off >>= 1) {  // the tile's 16 rows: NaN stays in hi
-                h = max_nan(h, __shfl_xor_sync(0xffffffffu, h, off, 16));
-                l = fmaxf(l, __shfl_xor_sync(0xffffffffu, l, off, 16));
+            for (int off = 4; off < 32; off <<= 1) {  // over g: the tile's 16 rows (NaN stays in hi)
+                h = max_nan(h, __shfl_xor_sync(0xffffffffu, h, off));
+                l = fmaxf(l, __shfl_xor_sync(0xffffffffu, l, off));
             }
-            if (o < TM * nb && r == 0) {
+            if (g == 0 && bl < nb) {
                 hi[static_cast<long long>(bl) * tiles + tile] = h;
-                // row bl's best lower bound (this thread's row at every tile; fmaxf passes a NaN
-                // over), into bounds[bl] at the block's last tile (after its loop instead, the pass
-                // spilled on sm_80 in bfloat16)
-                const float best = fmaxf(s_blo[bl], l);
-                s_blo[bl] = best;
-                if (tile + gridDim.x >= tiles) atomicMax(bounds + bl, bound_key(best));
+                best[k] = fmaxf(best[k], l);
                 if (h != h) atomicMax(bounds + bl, KEY_LIST_ALL);
             }
         }
+        acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
     };
-    // tiles blockIdx.x, + gridDim.x, ...: each tile's W requested before the tile ahead is multiplied
-    for (int tile = blockIdx.x; tile < tiles; tile += 2 * gridDim.x) {
-        load_tile(wa1, wb1, rc1, tile + gridDim.x);
-        process(wa0, wb0, rc0, tile);
-        if (tile + gridDim.x >= tiles) break;
-        load_tile(wa0, wb0, rc0, tile + 2 * gridDim.x);
-        process(wa1, wb1, rc1, tile + gridDim.x);
+    for (int i = 0; i < items; i += 2) {
+        load_item(wb, rb, i + 1);
+        process(wa, ra, i);
+        if (i + 1 >= items) break;
+        load_item(wa, ra, i + 2);
+        process(wb, rb, i + 1);
     }
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+        if (items > 0 && g == 0 && 2 * t + k < nb) atomicMax(bounds + 2 * t + k, bound_key(best[k]));
 }
 
 // =======================================================================================
