@@ -1291,10 +1291,10 @@ __global__ void ln_rows_kernel(T* out, const T* x, const T* __restrict__ ln_w, c
 // replays from 8 cached keys (benchmarks/results/q8_warp_tiles-h200.json, 4 blocks an SM),
 // GPT-2 small float16 at batch 1 164.76 against 165.44, at batch 2 171.92 against 172.48,
 // bfloat16 167.90 against 167.86, XL 1298.22 against 1301.09; at 3 blocks an SM (linear.py's
-// _Q8W_BLOCKS_PER_SM) 0.6% less again for GPT-2 small. Bytes: N K of W (half the product's) + 12 N of scale, u
-// and c; the list kernel reads the upper bounds, 4 B N / 16 bytes. Where few tiles are computed
-// (1 to 3 of GPT-2's 3,142 in a diagnostic run's 512-token calls of random weights), the LM head
-// reads about half its bytes.
+// _Q8W_BLOCKS_PER_SM) 0.6% less again for GPT-2 small. Bytes: N K of W (half the product's) +
+// 12 N of scale, u and c; the list kernel reads the upper bounds, 4 B N / 16 bytes. Where few
+// tiles are computed (1 to 3 of GPT-2's 3,142 in a diagnostic run's 512-token calls of random
+// weights), the LM head reads about half its bytes.
 namespace {
 constexpr int Q8_BATCH = 8;  // chunks of W an item: a warp's 8 16-byte loads a lane
 
@@ -1338,9 +1338,9 @@ constexpr int Q8W_WARPS = 4;  // warps a block (linear.py's _Q8W_WARPS)
 template <typename T>
 __global__ void __launch_bounds__(Q8W_WARPS * 32, 4)
     linear_q8_max_kernel(float* __restrict__ hi, const T* x, const unsigned char* __restrict__ Wq,
-                          const float* __restrict__ scale, const float* __restrict__ fold_u,
-                          const float* __restrict__ fold_c, const float2* stats_in, float eps, int B, int N, int K,
-                          unsigned* __restrict__ bounds) {
+                         const float* __restrict__ scale, const float* __restrict__ fold_u,
+                         const float* __restrict__ fold_c, const float2* stats_in, float eps, int B, int N, int K,
+                         unsigned* __restrict__ bounds) {
     constexpr int COLS = 8, TM = 16, CH = Q8_BATCH;
     extern __shared__ float4 smem4[];
     __shared__ float s_mean[COLS], s_rstd[COLS], s_l1[COLS];
@@ -1356,7 +1356,7 @@ __global__ void __launch_bounds__(Q8W_WARPS * 32, 4)
     const float kf = static_cast<float>(K);
 
     // item i of this warp: its chunks of W, and with a tile's last item its rows' scale, u and c
-    // (rows g: 0..2, g + 8: 3..5; NaN past N, which the epilogue skips)
+    // (rows g: 0..2, g + 8: 3..5; zero past N, where the epilogue takes no row)
     auto load_item = [&](uint4 (&w)[CH], float (&rc)[6], int i) {
         const int tile = gw + (i / per_tile) * n_w, c0 = (i % per_tile) * CH;
         const unsigned char* wp = Wq + static_cast<long long>(tile) * n_chunks * 512 + lane * 16;
