@@ -1062,7 +1062,7 @@ def _screen_pass(x, screen, ln_fold, B: int, N: int, K: int) -> tuple:
     hi = cupy.empty((B, tiles), dtype=numpy.float32)
     bounds = cupy.zeros(B, dtype=numpy.uint32)
     kern = _build.kernel(_SRC, f"linear_q8_max_kernel<{_build.ctype(x.dtype)}>")
-    # x as float16, then its sets (an even number: copy_row_sets copies 16 bytes, the last one half empty)
+    # x as float16, then its sets (room for an even number: linear.cu's copy_row_sets)
     smem = B * (_build.cdiv(K, 32) * 32 + 8) * 2 + _build.cdiv(B * _build.cdiv(K, STATS_COLS), 2) * 16
     _build.set_smem(kern, smem)
     blocks = min(_build.cdiv(tiles, _Q8W_WARPS), _Q8W_BLOCKS_PER_SM * _build.sm_count(cupy.cuda.Device().id))

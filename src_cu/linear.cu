@@ -549,7 +549,8 @@ template <int NT> constexpr bool W_AHEAD() { return NT >= 2; }
 
 // The statistics sets of rows b0 .. b0 + nb - 1 (stats_in: [B][n_sets]) into shared memory
 // (sets: [nb][n_sets]) by cp.async, 16 bytes a thread at a time (b0 is even: aligned), by
-// `count` threads from `first` (the block's, or one warp's lanes).
+// `count` threads from `first` (the block's, or one warp's lanes). Where nb n_sets is odd the
+// last copy still writes 16 bytes (its second half zero): sets needs room for an even count.
 __device__ __forceinline__ void copy_row_sets(float2* sets, const float2* stats_in, int b0, int nb, int n_sets,
                                               int first = threadIdx.x, int count = blockDim.x) {
     const int n = nb * n_sets;
