@@ -425,6 +425,21 @@ def smem_per_sm(device_id: int) -> int:
 
 
 @functools.cache
+def peak_memory_GBps(device_id: int) -> float | None:
+    """The device's peak DRAM bandwidth in GB/s (two transfers a memory clock across the
+    memory bus: 2 x 2,619 MHz x 5,120 bits = 3,352 for an H100 SXM, 2 x 3,201 MHz x 6,016 bits
+    = 4,814 for the H200 of benchmarks/results/pace_share_peak-h200.txt), or None where the
+    driver does not give the clock or the bus width."""
+    import cupy
+
+    attributes = cupy.cuda.Device(device_id).attributes
+    clock_khz, bus_bits = attributes.get("MemoryClockRate", 0), attributes.get("GlobalMemoryBusWidth", 0)
+    if not clock_khz or not bus_bits:
+        return None
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9
+
+
+@functools.cache
 def sm_count(device_id: int) -> int:
     import cupy
 

@@ -237,6 +237,31 @@ DECODE_PACE_GBPS = 2000
 DECODE_PACE_WIDTHS = (768, 1024)
 DECODE_PACE_BATCH = 8
 DECODE_PACE_FAST = {768: (5, 3000)}  # width: (from this many rows on, GB/s)
+# GPT-2 small's pace below DECODE_PACE_FAST's rows follows the device's peak DRAM bandwidth
+# (_build.peak_memory_GBps): a share of it instead of DECODE_PACE_GBPS, where the device gives
+# it. 2000 GB/s measured best on the H100 (above: 0.60 of its 3,352), 2950-3500 on the H200
+# (0.61-0.73 of its 4,814; us a sweep as above, 2000 / paced faster, float16 at batch 1:
+# 168.72 / 167.35 at 2950 and 166.99 at 3500, benchmarks/results/h200_pace_b1-h200.json;
+# 169.31 / 167.86 at 3000, h200_knobs-h200.json; 165.54 / 163.18 at 3000,
+# h200_knobs2_small-h200.json). As taken (pace_share-h200.json: a share of 0.6, 2,889 GB/s, /
+# 2000 / a share of 0.7, 3,370): float16 at batch 1 161.21 / 163.28 / 161.53, at 2 168.16 /
+# 171.60 / 167.59, at 4 186.99 / 191.04 / 186.30, bfloat16 at 1 163.31 / 166.09 / 164.02.
+# GPT-2 medium's does not follow it: 2000 measured best on both chips (379.78 against 383.96 at
+# 2950 on the H200, h200_pace_b1-h200.json).
+DECODE_PACE_PEAK_SHARE = {768: 0.6}
+
+
+def decode_pace(C: int, B: int, peak_GBps: float | None) -> float | None:
+    """GB/s at which the decode step's q|k|v and MLP up products of a 16-bit model of width
+    ``C`` request their weights at batch ``B`` on a device of ``peak_GBps`` peak DRAM
+    bandwidth (None: unknown), or None: unpaced (DECODE_PACE_* above)."""
+    if B > DECODE_PACE_BATCH or C not in DECODE_PACE_WIDTHS or not DECODE_PACE_GBPS:
+        return None
+    fast = DECODE_PACE_FAST.get(C)  # (from this many rows on, GB/s)
+    if fast is not None and B >= fast[0]:
+        return fast[1]
+    share = DECODE_PACE_PEAK_SHARE.get(C)
+    return round(share * peak_GBps) if share and peak_GBps else DECODE_PACE_GBPS
 # The decode step's embedding also leaves its rows' statistics (embedding's stats_out), so that
 # the first q|k|v product folds its LayerNorm as every other product does, instead of each of
 # its blocks normalizing x in its prologue (16-bit models; the same function, other bits). In
@@ -355,8 +380,11 @@ DECODE_PRODUCT_TRIGGERS_FLOAT32 = {}
 # warp more leaves no room beside it for a block of the MLP down, which then starts late. Across
 # processes, GPT-2 small at B = 1 with this table 173.61 / 173.60 against 175.91 / 175.95 for
 # the code before it (stats_warp_main_*-h100.json); the in-session gains above are larger than
-# that by about 1.4% (NOTES, "The statistics warp"), so XL's 2.2% is not taken.
-DECODE_STATS_WARP = {768: {"qkv": (1, 8)}, 1024: {"qkv": (1, 1)}}
+# that by about 1.4% (NOTES, "The statistics warp"), so XL's 2.2% was not taken then. On the
+# H200 XL's q|k|v with it gained in every run: 1287.83 against 1295.46 (h200_xl_knobs-h200.json),
+# 1280.14 against 1284.45 (h200_knobs2_xl-h200.json), 1271.83 against 1297.61 (the 512-token
+# calls 1273.7 against 1299.5 us a token; pace_share-h200.json), so XL takes it at batch 1.
+DECODE_STATS_WARP = {768: {"qkv": (1, 8)}, 1024: {"qkv": (1, 1)}, 1600: {"qkv": (1, 1)}}
 
 # dtype names -> (numpy dtype, torch dtype name)
 DTYPES = {
@@ -895,11 +923,8 @@ class GPT2:
         stats = buf.stats if self.folded else None  # [B, C / 16, 2]: of the residual stream buf.x
         prefetch = cache.positions if (2 <= B <= DECODE_PREFETCH_BATCHES.get(C, 0)
                                        and self.dtype != numpy.float32) else None
-        pace = DECODE_PACE_GBPS if (B <= DECODE_PACE_BATCH and C in DECODE_PACE_WIDTHS and DECODE_PACE_GBPS
-                                    and self.dtype != numpy.float32) else None
-        fast = DECODE_PACE_FAST.get(C)  # (from this many rows on, GB/s)
-        if pace is not None and fast is not None and B >= fast[0]:
-            pace = fast[1]
+        pace = None if self.dtype == numpy.float32 else \
+            decode_pace(C, B, _build.peak_memory_GBps(cupy.cuda.Device().id))
 
         def normalized(b, ln, u, c, folded: bool):  # the arguments of a product after a LayerNorm
             return dict(ln_fold=(stats, u, c, eps)) if folded else dict(bias=b, ln=ln)

@@ -269,3 +269,20 @@ def test_product_arguments_hold_n_and_k_where_read():
     args = lin._args(None, 0, 0, None, None, None, None, None, 7, 2304, 768)
     assert (int(args[lin.ARG_N]), int(args[lin.ARG_K])) == (2304, 768)
     assert lin.ARG_K == len(args) - 1
+
+
+def test_decode_pace_follows_the_rule():
+    """The decode step's pace (GB/s) by width, batch and the device's peak DRAM bandwidth:
+    GPT-2 small's a share of the peak up to DECODE_PACE_FAST's rows, medium's fixed, none past
+    DECODE_PACE_BATCH or for wider models."""
+    from gpt2_cupy.model import (DECODE_PACE_BATCH, DECODE_PACE_FAST, DECODE_PACE_GBPS, DECODE_PACE_PEAK_SHARE,
+                                 decode_pace)
+
+    share, (fast_rows, fast) = DECODE_PACE_PEAK_SHARE[768], DECODE_PACE_FAST[768]
+    assert decode_pace(768, 1, 3352.0) == round(share * 3352.0)
+    assert decode_pace(768, fast_rows - 1, 4915.2) == round(share * 4915.2)
+    assert decode_pace(768, 1, None) == DECODE_PACE_GBPS  # a device that does not give its peak
+    assert decode_pace(768, fast_rows, 4915.2) == decode_pace(768, DECODE_PACE_BATCH, 3352.0) == fast
+    assert decode_pace(1024, 1, 4915.2) == decode_pace(1024, DECODE_PACE_BATCH, None) == DECODE_PACE_GBPS
+    assert decode_pace(768, DECODE_PACE_BATCH + 1, 4915.2) is None
+    assert decode_pace(1600, 1, 4915.2) is None and decode_pace(1280, 1, 3352.0) is None

@@ -14,6 +14,7 @@ cp = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from cupy_kernels import _build  # noqa: E402
 from gpt2_cupy import GPT2, SIZES, generate, stream  # noqa: E402
 from gpt2_cupy.engine import LOOKAHEAD, MAX_SESSIONS  # noqa: E402
 
@@ -240,18 +241,22 @@ def test_paced_products_keep_the_tokens(small, dtype, monkeypatch):
         paces.append(kwargs.get("pace"))
         return real(*args, **kwargs)
 
-    default = M.DECODE_PACE_GBPS
+    default = M.DECODE_PACE_GBPS or 2000
+    peak = _build.peak_memory_GBps(cp.cuda.Device().id)
     monkeypatch.setattr(K, "linear", spy)
     monkeypatch.setattr(M, "DECODE_PACE_GBPS", 0)
     plain = model.generate(prompts, 40)
     assert paces and set(paces) == {None}
-    for gbps in (default or 2000, 100):
+    # a pace in GB/s, a slow one, and a share of the device's peak bandwidth (DECODE_PACE_PEAK_SHARE)
+    for gbps, share, pace in ((default, None, default), (100, None, 100),
+                              (default, 0.6, round(0.6 * peak) if peak else default)):
         monkeypatch.setattr(M, "DECODE_PACE_GBPS", gbps)
+        monkeypatch.setattr(M, "DECODE_PACE_PEAK_SHARE", {model.config.n_embd: share} if share else {})
         model._engine = None  # the sessions (and their recorded steps) of the setting before
         paces.clear()
         batch = model.generate(prompts, 40)
         # q|k|v and MLP up of every block, in each recorded step
-        assert paces.count(gbps) == 2 * model.config.n_layer * recorded_steps(model)
+        assert paces.count(pace) == 2 * model.config.n_layer * recorded_steps(model)
         assert batch == plain
         assert [model.generate(p, 40) for p in prompts] == plain
 
