@@ -262,6 +262,8 @@ def decode_pace(C: int, B: int, peak_GBps: float | None) -> float | None:
         return fast[1]
     share = DECODE_PACE_PEAK_SHARE.get(C)
     return round(share * peak_GBps) if share and peak_GBps else DECODE_PACE_GBPS
+
+
 # The decode step's embedding also leaves its rows' statistics (embedding's stats_out), so that
 # the first q|k|v product folds its LayerNorm as every other product does, instead of each of
 # its blocks normalizing x in its prologue (16-bit models; the same function, other bits). In
