@@ -30,7 +30,8 @@
    runs at fixed positions on whatever data the buffers hold.
 
 Writes benchmarks/results/decode_step-<device>.json and decode_step-<device>.png
-(``--replot FILE`` redraws the picture from a results file, without a GPU). The run can be
+(``--replot FILE`` redraws the picture from a results file, without a GPU, as the PNG of
+the file's name). The run can be
 split over several calls of a machine: ``--out NAME`` writes a part of it (say
 ``--skip-profile``, or some ``--steps``) to NAME-<device>.json, and ``--merge PART ...``
 writes decode_step-<device>.json and its picture from the parts' rows, as they are, each row
@@ -562,7 +563,7 @@ def carveout_sweep(cases, ceiling, pdl_ok, carveouts=(None, 0, 8, 15, 30, 100), 
     return rows
 
 
-def plot(rows, summaries, device: str | None = None):
+def plot(rows, summaries, device: str | None = None, name: str = "decode_step"):
     shown = [s for s in summaries if s["batch"] == 1]
     if not shown:
         return None
@@ -587,7 +588,7 @@ def plot(rows, summaries, device: str | None = None):
     ax.set_xlabel("us per token, batch 1: kernels (bars), step in its CUDA graph (|), weight-read floor (x)")
     ax.legend(loc="lower right", fontsize=8, ncol=2)  # where the small models leave room
     ax.grid(True, axis="x", which="both", alpha=0.3)
-    return save_figure(fig, "decode_step", device)
+    return save_figure(fig, name, device)
 
 
 def _profile_rows(rows) -> tuple[list[dict], list[dict]]:
@@ -652,8 +653,9 @@ def main():
     args = p.parse_args()
     if args.replot:
         rows = json.loads(open(args.replot).read())["rows"]
-        device = re.sub(r"^decode_step-|\.json$", "", args.replot.rsplit("/", 1)[-1])
-        print(plot(*_profile_rows(rows), device))
+        # the picture beside its file: <name>-<device>.json -> <name>-<device>.png
+        name, _, device = re.sub(r"\.json$", "", args.replot.rsplit("/", 1)[-1]).rpartition("-")
+        print(plot(*_profile_rows(rows), device, name or "decode_step"))
         return
     if args.merge:
         path = merge(args.merge)
