@@ -9,7 +9,9 @@ as many changes measured. Here each case (size:dtype:batch) makes one model (ran
 seed 0) and one session by a 512-token greedy call; then the step is recorded once per
 variant over that session's buffers and captured as a CUDA graph with programmatic dependent
 launch. Four rounds, in alternating order, swap each variant's graphs into the session and
-time a 512-token call (wall time a token, the median of two) and a sweep of 512 steps from
+time a 512-token call (wall time a token, the median of two; its steps run in the session's
+graph for calls that read every step, ``gpt2_cupy.engine.STEPS_PER_GRAPH_FIXED_LENGTH`` steps a
+launch) and a sweep of 512 steps from
 8 cached keys (us a step: the lengths such a call runs, without the host; 512 / n launches of
 the session's graph of n steps, ``gpt2_cupy.engine.STEPS_PER_GRAPH``). The spread of one
 variant's rounds is about 0.2%.
@@ -95,8 +97,8 @@ def _call_us(model, prompts) -> float:
 
 
 # what a variant sets in the session (Session.set_steps_per_graph and the recorded step)
-_STATE = ("step", "step_lead", "step_next", "per_graph", "slots", "pinned", "slot", "publish", "graph", "graph_many", "events",
-          "_event_of", "_next_slot")
+_STATE = ("step", "step_lead", "step_next", "per_graph", "per_graph_fixed", "slots", "pinned", "slot", "publish", "graph",
+          "graph_many", "graph_fixed", "events", "_event_of", "_next_slot")
 
 
 def _sweep_us(session) -> float:
@@ -139,6 +141,7 @@ def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]
                 raise ValueError(f"variant {name!r}: {NEW} steps are not a whole number of graphs of "
                                  f"{E.STEPS_PER_GRAPH}")
             session.set_steps_per_graph(E.STEPS_PER_GRAPH)
+            session.prepare_fixed_length()  # (the calls' graph: captured here, not in a timed call)
         finally:
             for k, v in saved.items():
                 setattr(*owners[k], v)
@@ -161,6 +164,7 @@ def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]
         call, sweep = statistics.median(calls[name]), statistics.median(sweeps[name])
         rows.append({"bench": "step_variants", "model": size, "dtype": dtype, "batch": batch, "variant": name,
                      "settings": {k: repr(v) for k, v in settings.items()}, "steps_per_graph": kept[name]["per_graph"],
+                     "steps_per_graph_fixed_length": kept[name]["per_graph_fixed"],
                      "call_us_per_token": round(call, 2), "call_rounds": [round(v, 2) for v in calls[name]],
                      "sweep_us": round(sweep, 2), "sweep_rounds": [round(v, 2) for v in sweeps[name]],
                      "call_ratio": round(call / ref_call, 4), "sweep_ratio": round(sweep / ref_sweep, 4)})

@@ -5,16 +5,18 @@ A :class:`Session` holds everything one shape of generation needs (the decode bu
 KV cache, the recorded LM head and decode step, the decode step's CUDA graphs, a stream
 of its own and a pinned ring for token read-back). Sessions are kept per model and
 reused by later calls whose batch and cache length round up to the same bucket, so a
-warm call records nothing and captures nothing. A session has two graphs: one step, and
+warm call records nothing and captures nothing. A session's graphs: one step, and
 ``STEPS_PER_GRAPH`` steps in a row, whose kernels chain from one step into the next with
 programmatic dependent launch (the next step's first product starts while the step before
 ends, as the kernels inside a step do; in greedy 16-bit steps the argmax before it wrote its
-embedding) and without a graph launch between them;
-:meth:`Engine.steps` runs the longer one wherever the call has that many steps left. Tokens
-come back asynchronously: the host queues up to ``max(LOOKAHEAD, 2 STEPS_PER_GRAPH)``
-steps (continuous batching: ``LOOKAHEAD``), each launch followed by an event, and reads a
-step's tokens only when the event after it has fired. A kernel after each step
-(``publish_tokens``; in the longer graph on a branch beside the chain, PUBLISH_ASIDE) writes
+embedding) and without a graph launch between them, and, captured at the first call that
+reads every step (``generate`` without an end-of-text token), the same chain of
+``STEPS_PER_GRAPH_FIXED_LENGTH`` steps. :meth:`Engine.steps` runs the longest one the call
+may take wherever it has that many steps left. Tokens come back asynchronously: the host
+queues up to two launches of the longest graph (continuous batching: ``LOOKAHEAD`` steps),
+each launch followed by an event, and reads a step's tokens only when the event after it
+has fired. A kernel after each step
+(``publish_tokens``; in the longer graphs on a branch beside the chain, PUBLISH_ASIDE) writes
 the step's tokens straight into the next slot of a ring of pinned host memory: a
 device-to-host copy after each step cost 9-10 us of wall time a step (H100, GPT-2 small
 float16, 512 steps: 245.4 against 235.9 us at batch 1, 613.1 against 604.2 at batch 64; the
@@ -56,6 +58,11 @@ LOOKAHEAD = 4  # decode steps continuous batching queues ahead of the host's rea
 # end-of-text token can run up to two graphs past it (the host learns of a graph's tokens at its
 # end): about 31 steps, 5 ms of GPT-2 small's or 40 ms of XL's, against 7 steps at 4.
 STEPS_PER_GRAPH = 4
+# Decode steps a launch of a session's graph for calls whose every step is read: generate
+# without an end-of-text token (Engine.steps' fixed_length), where nothing can stop the call
+# early, so that a graph launch of more steps wastes none. Against STEPS_PER_GRAPH, us a token
+# of a 512-token call (benchmarks/results/fixed_length_graph-h200.json, below).
+STEPS_PER_GRAPH_FIXED_LENGTH = 16
 # In the graph of several steps, each step's publish_tokens runs on a branch of the graph beside
 # the chain (after its step's argmax), joining the chain before the next step's LM head (whose
 # argmax rewrites the tokens it reads) and at the graph's end, so that the next step follows the
@@ -156,12 +163,18 @@ class Session:
         self._cuda_graph = cuda_graph
         self.set_steps_per_graph(STEPS_PER_GRAPH)
 
-    def set_steps_per_graph(self, n: int) -> None:
+    def set_steps_per_graph(self, n: int, fixed_length: int | None = None) -> None:
         """Make the ring of read-back slots, ``publish_tokens``'s launch and the graphs for
-        ``n`` steps a launch of the longer graph (without CUDA graphs, one step a launch)."""
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"steps a graph must be a positive int, got {n!r}")
+        ``n`` steps a launch of the longer graph and ``fixed_length`` (default
+        STEPS_PER_GRAPH_FIXED_LENGTH, at least ``n``) of the graph for calls that read every
+        step, captured by :meth:`prepare_fixed_length` (without CUDA graphs, or with ``n`` 1,
+        one step a launch for every call)."""
+        fixed_length = STEPS_PER_GRAPH_FIXED_LENGTH if fixed_length is None else fixed_length
+        for what, v in (("steps a graph", n), ("steps a fixed-length graph", fixed_length)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{what} must be a positive int, got {v!r}")
         self.per_graph = n if self._cuda_graph else 1
+        self.per_graph_fixed = max(fixed_length, n) if self.per_graph > 1 else self.per_graph
         with self.stream:
             # the longer graph's first step (its argmax embedding the next step's tokens where the
             # model does that: embeds_in_argmax) and the steps after it (record_step's chained)
@@ -169,9 +182,9 @@ class Session:
             self.step_lead = model.record_step(self.cache, self.buf, self._sampling, embed_next=True) \
                 if many and model.embeds_in_argmax(self._sampling) else self.step
             self.step_next = model.record_step(self.cache, self.buf, self._sampling, chained=True) if many else None
-            # the ring: a step's tokens go to row slot[0], which moves on; two longer graphs'
+            # the ring: a step's tokens go to row slot[0], which moves on; two longest graphs'
             # worth of rows, so that the host reads one's tokens while the next runs
-            self.slots = max(LOOKAHEAD, 2 * self.per_graph)
+            self.slots = max(LOOKAHEAD, 2 * self.per_graph_fixed)
             self.pinned = cupyx.empty_pinned((self.slots, self.batch), dtype=numpy.int32)
             self.slot = cupy.zeros(1, dtype=numpy.int32)
             with _build.recording() as self.publish:
@@ -179,7 +192,8 @@ class Session:
         self._next_slot = 0
         pdl = _build.pdl_supported()
         self.graph = self.capture(pdl) if self._cuda_graph else None
-        self.graph_many = self.capture_many(pdl) if self.per_graph > 1 else None
+        self.graph_many = self.capture_many(pdl, self.per_graph) if self.per_graph > 1 else None
+        self.graph_fixed = self.graph_many if self.per_graph_fixed == self.per_graph else None
         self.events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(self.slots)]
         self._event_of = list(range(self.slots))  # slot -> the event recorded after its launch
 
@@ -189,12 +203,17 @@ class Session:
         self.stream.synchronize()
         return _build.capture(self.stream, self.step, *([self.publish] if publish else []), pdl=pdl)
 
-    def capture_many(self, pdl: bool):
-        """``per_graph`` decode steps in a row, each followed by ``publish_tokens``, as one
+    def prepare_fixed_length(self) -> None:
+        """Capture the graph of ``per_graph_fixed`` steps (a call that reads every step), once."""
+        if self.graph_fixed is None and self.per_graph_fixed > 1:
+            self.graph_fixed = self.capture_many(_build.pdl_supported(), self.per_graph_fixed)
+
+    def capture_many(self, pdl: bool, n: int):
+        """``n`` decode steps in a row, each followed by ``publish_tokens``, as one
         CUDA graph: the first step as ``step_lead``, the others as ``step_next``; with
         PUBLISH_ASIDE, each ``publish_tokens`` on a branch that joins the chain before the next
         step's LM head (``head_at`` of a recorded step; a step without it joins at its start)."""
-        steps = [self.step_lead] + [self.step_next] * (self.per_graph - 1)
+        steps = [self.step_lead] + [self.step_next] * (n - 1)
         self.stream.synchronize()
         if not PUBLISH_ASIDE:
             return _build.capture(self.stream, *[p for step in steps for p in (step, self.publish)], pdl=pdl)
@@ -237,16 +256,19 @@ class Session:
         return self._heads[rows]
 
     def run_step(self, slot: int, n: int = 1) -> None:
-        """``n`` decode steps (1, or ``per_graph``: the longer graph) on the session's stream,
-        their tokens into pinned slots ``slot``, ``slot + 1``, ... (modulo ``slots``), marked
-        by one event after them."""
-        if n != 1 and (n != self.per_graph or self.graph_many is None):
-            raise ValueError(f"this session runs 1 or {self.per_graph} steps a launch, not {n}")
+        """``n`` decode steps (1, ``per_graph``: the longer graph, or ``per_graph_fixed``: the
+        fixed-length calls' graph, once prepared) on the session's stream, their tokens into
+        pinned slots ``slot``, ``slot + 1``, ... (modulo ``slots``), marked by one event after
+        them."""
+        graphs = {self.per_graph: self.graph_many, self.per_graph_fixed: self.graph_fixed}
+        if n != 1 and graphs.get(n) is None:
+            runs = sorted({1} | {k for k, g in graphs.items() if g is not None})
+            raise ValueError(f"this session runs {' or '.join(map(str, runs))} steps a launch, not {n}")
         if slot != self._next_slot:  # (a prefill's tokens took the slots in between)
             with self.stream:
                 self.slot.fill(slot)
         if n != 1:
-            self.graph_many.launch(stream=self.stream)
+            graphs[n].launch(stream=self.stream)
         elif self.graph is not None:
             self.graph.launch(stream=self.stream)
         else:
@@ -317,13 +339,20 @@ class Engine:
         """How many sessions are kept now."""
         return sum(len(p) for p in self._sessions.values())
 
-    def steps(self, rows, max_new_tokens: int, sampling: dict | None, eos_token_id, cuda_graph: bool, kv_dtype):
+    def steps(self, rows, max_new_tokens: int, sampling: dict | None, eos_token_id, cuda_graph: bool, kv_dtype,
+              fixed_length: bool = False):
         """Iterator over decoding steps: a list with one new token id per sequence (None
-        for a sequence that has finished). Inputs were checked by the model."""
+        for a sequence that has finished). Inputs were checked by the model. ``fixed_length``:
+        the caller reads every step (no end-of-text token, nothing that stops it early), so
+        the session's graph of ``per_graph_fixed`` steps runs where that many are left."""
         B = len(rows)
         s = self._acquire(B, max(r.size for r in rows) + max_new_tokens, kv_dtype, sampling, cuda_graph)
         seqs_done = [False] * B
         try:
+            sizes = [s.per_graph, 1]  # steps a launch, the largest first
+            if fixed_length and eos_token_id is None and max_new_tokens - 1 >= s.per_graph_fixed > s.per_graph:
+                s.prepare_fixed_length()
+                sizes.insert(0, s.per_graph_fixed)
             with s.stream:
                 # the prompts packed: prompt b's keys and values into cache row b, its last residual into row b of x
                 self.model._prefill(rows, s.cache, list(range(B)), s.buf.x[:B])
@@ -337,7 +366,7 @@ class Engine:
             issued, read = 1, 0  # steps' tokens queued (the prefill's first) / read back
             while read < max_new_tokens:
                 while issued < max_new_tokens:
-                    n = s.per_graph if max_new_tokens - issued >= s.per_graph else 1
+                    n = next(k for k in sizes if max_new_tokens - issued >= k)
                     if issued + n - read > s.slots:
                         break
                     s.run_step(issued % s.slots, n)

@@ -1050,6 +1050,13 @@ class GPT2:
         """An iterator over decoding steps: each item is a list with one new token id per
         sequence (None for a sequence that has finished). Arguments as :meth:`generate`;
         they are checked here, before the iterator is returned and before any launch."""
+        return self._stream(input_ids, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed, eos_token_id=eos_token_id, use_cache=use_cache,
+                            cuda_graph=cuda_graph, kv_cache_dtype=kv_cache_dtype, fixed_length=False)
+
+    def _stream(self, input_ids, max_new_tokens, *, do_sample, temperature, top_k, top_p, seed, eos_token_id,
+                use_cache, cuda_graph, kv_cache_dtype, fixed_length: bool):
+        """:meth:`stream`; ``fixed_length``: the caller reads every step (Engine.steps)."""
         rows, _ = check_input_ids(input_ids, self.config)
         seed = check_generate_args(rows, self.config, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
                                    eos_token_id)
@@ -1062,7 +1069,8 @@ class GPT2:
                         "top_p": None if top_p is None else float(top_p)}
         if not use_cache:
             return self.engine.steps_without_cache(rows, max_new_tokens, sampling, eos_token_id)
-        return self.engine.steps(rows, max_new_tokens, sampling, eos_token_id, cuda_graph, kv_cache_dtype)
+        return self.engine.steps(rows, max_new_tokens, sampling, eos_token_id, cuda_graph, kv_cache_dtype,
+                                 fixed_length=fixed_length)
 
     def generate(self, input_ids, max_new_tokens: int | list[int] = 32, *, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -1100,9 +1108,9 @@ class GPT2:
                                             kv_cache_dtype=kv_cache_dtype, max_batch=max_batch, progress=progress)
             return out[0] if single else out
         seqs = [list(map(int, r)) for r in rows]
-        for step in self.stream(rows, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-                                top_p=top_p, seed=seed, eos_token_id=eos_token_id, use_cache=use_cache,
-                                cuda_graph=cuda_graph, kv_cache_dtype=kv_cache_dtype):
+        for step in self._stream(rows, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, seed=seed, eos_token_id=eos_token_id, use_cache=use_cache,
+                                 cuda_graph=cuda_graph, kv_cache_dtype=kv_cache_dtype, fixed_length=True):
             for b, t in enumerate(step):
                 if t is not None:
                     seqs[b].append(t)

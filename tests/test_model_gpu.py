@@ -333,9 +333,10 @@ def test_product_triggers_keep_the_tokens(small, monkeypatch, points):
 def test_steps_chained_in_one_graph_keep_the_tokens(small, monkeypatch, dtype):
     """Sessions that run STEPS_PER_GRAPH decode steps a graph launch (each step's embedding and
     first product starting while the step before ends; in float16 that embedding run by the
-    step before's argmax) give every prompt the tokens of one step a launch: alone, in a batch,
-    for every call length around the graph's steps, up to an end-of-text token, and up to the
-    model's last position."""
+    step before's argmax), and STEPS_PER_GRAPH_FIXED_LENGTH in the calls that read every step
+    (generate without an end-of-text token), give every prompt the tokens of one step a launch:
+    alone, in a batch, for every call length around the graphs' steps, up to an end-of-text
+    token, through stream, and up to the model's last position."""
     import gpt2_cupy.engine as E
 
     hf, _ = small
@@ -348,6 +349,7 @@ def test_steps_chained_in_one_graph_keep_the_tokens(small, monkeypatch, dtype):
     assert model.generate(prompts, 41) == plain
     plain_longest = model.generate(longest, 9)
     monkeypatch.setattr(E, "STEPS_PER_GRAPH", 4)
+    monkeypatch.setattr(E, "STEPS_PER_GRAPH_FIXED_LENGTH", 8)
     model._engine = None  # the sessions of one step a launch
     launches, real = [], E.Session.run_step
 
@@ -357,17 +359,22 @@ def test_steps_chained_in_one_graph_keep_the_tokens(small, monkeypatch, dtype):
 
     monkeypatch.setattr(E.Session, "run_step", spy)
     assert [model.generate(p, 41) for p in prompts] == plain
-    assert launches.count(4) == 3 * 10 and launches.count(1) == 0  # 40 steps a call after the prefill's token
+    assert launches == [8] * 3 * 5  # 40 steps a call after the prefill's token
+    launches.clear()
+    streamed = [t for (t,) in model.stream(prompts[0], 41)]  # (read step by step: it may stop early)
+    assert prompts[0] + streamed == plain[0] and launches == [4] * 10
     assert model.generate(prompts, 41) == plain
-    for new in range(1, 14):
+    for new in range(1, 22):  # 8, 4 and 1 steps a launch
         assert model.generate(prompts[1], new) == plain[1][:len(prompts[1]) + new]
+    launches.clear()
     eos = plain[2][len(prompts[2]) + 6]
     assert model.generate(prompts[2], 41, eos_token_id=eos) == plain[2][:plain[2].index(eos, len(prompts[2])) + 1]
+    assert set(launches) == {4}
     assert model.generate(longest, 9) == plain_longest  # (the last graph's argmax embeds past the last position)
     folds = model.embeds_in_argmax(None)
     assert folds == (dtype == "float16")
     sessions = [s for pool in model.engine._sessions.values() for s in pool]
-    assert sessions and all(s.per_graph == 4 for s in sessions)
+    assert sessions and all(s.per_graph == 4 and s.per_graph_fixed == 8 for s in sessions)
     for s in sessions:  # a chained step without its embedding launch where the argmax before it embeds
         assert len(s.step_next) == len(s.step) - folds and len(s.step_lead) == len(s.step)
         assert (s.step_lead is s.step) == (not folds)
@@ -619,13 +626,20 @@ def test_eos_stops_a_sequence(small):
     assert got == first[: first.index(eos, len(PROMPT)) + 1]
 
 
-def test_engine_reuses_sessions_across_calls(small):
+def test_engine_reuses_sessions_across_calls(small, monkeypatch):
     """A warm call of the same bucket records and captures nothing new, and every length
     around the read-back lookahead gives the prefix of the longer run."""
+    import gpt2_cupy.engine as E
+
     _, model = small
-    first = model.generate(PROMPT, 20)
+    first = model.generate(PROMPT, 20)  # (19 steps: the fixed-length calls' graph too)
     n = model.engine.sessions()
+    made, real_capture, real_many, real_record = [], _build.capture, E.Session.capture_many, model.record_step
+    monkeypatch.setattr(_build, "capture", lambda *a, **k: made.append("capture") or real_capture(*a, **k))
+    monkeypatch.setattr(E.Session, "capture_many", lambda self, *a: made.append("many") or real_many(self, *a))
+    monkeypatch.setattr(model, "record_step", lambda *a, **k: made.append("record") or real_record(*a, **k))
     assert model.generate(PROMPT, 20) == first
+    assert made == []
     assert model.generate(PROMPT[:5], 30) == model.generate(PROMPT[:5], 30)  # same cache bucket
     assert model.engine.sessions() == n
     for new in range(1, 2 * LOOKAHEAD + 2):
