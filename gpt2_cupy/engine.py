@@ -60,8 +60,10 @@ LOOKAHEAD = 4  # decode steps continuous batching queues ahead of the host's rea
 STEPS_PER_GRAPH = 4
 # Decode steps a launch of a session's graph for calls whose every step is read: generate
 # without an end-of-text token (Engine.steps' fixed_length), where nothing can stop the call
-# early, so that a graph launch of more steps wastes none. Against STEPS_PER_GRAPH, us a token
-# of a 512-token call (benchmarks/results/fixed_length_graph-h200.json, below).
+# early, so that a graph launch of more steps wastes none. H200, us a token of a 512-token call
+# on one session's buffers, 16 / 4 / 32 steps a graph (benchmarks/results/
+# fixed_length_graph-h200.json): GPT-2 small float16 at batch 1 161.8 / 162.9 / 162.1, bfloat16
+# 167.3 / 168.2 / 167.6, float16 at batch 8 218.7 / 220.1 / 218.2, XL 1298.7 / 1299.8 / 1298.7.
 STEPS_PER_GRAPH_FIXED_LENGTH = 16
 # In the graph of several steps, each step's publish_tokens runs on a branch of the graph beside
 # the chain (after its step's argmax), joining the chain before the next step's LM head (whose
