@@ -10,7 +10,7 @@ warm call records nothing and captures nothing. A session's graphs: one step, an
 programmatic dependent launch (the next step's first product starts while the step before
 ends, as the kernels inside a step do; in greedy 16-bit steps the argmax before it wrote its
 embedding) and without a graph launch between them, and, captured at the first call that
-reads every step (``generate`` without an end-of-text token), the same chain of
+reads every step (``generate`` without an end-of-text token or a stop string), the same chain of
 ``STEPS_PER_GRAPH_FIXED_LENGTH`` steps. :meth:`Engine.steps` runs the longest one the call
 may take wherever it has that many steps left. Tokens come back asynchronously: the host
 queues up to two launches of the longest graph (continuous batching: ``LOOKAHEAD`` steps),
@@ -59,9 +59,9 @@ LOOKAHEAD = 4  # decode steps continuous batching queues ahead of the host's rea
 # end): about 31 steps, 5 ms of GPT-2 small's or 40 ms of XL's, against 7 steps at 4.
 STEPS_PER_GRAPH = 4
 # Decode steps a launch of a session's graph for calls whose every step is read: generate
-# without an end-of-text token (Engine.steps' fixed_length), where nothing can stop the call
-# early, so that a graph launch of more steps wastes none. H200, us a token of a 512-token call
-# on one session's buffers, 16 / 4 / 32 steps a graph (benchmarks/results/
+# without an end-of-text token or a stop string (Engine.steps' fixed_length), where nothing can
+# stop the call early, so that a graph launch of more steps wastes none. H200, us a token of a
+# 512-token call on one session's buffers, 16 / 4 / 32 steps a graph (benchmarks/results/
 # fixed_length_graph-h200.json): GPT-2 small float16 at batch 1 161.8 / 162.9 / 162.1, bfloat16
 # 167.3 / 168.2 / 167.6, float16 at batch 8 218.7 / 220.1 / 218.2, XL 1298.7 / 1299.8 / 1298.7.
 STEPS_PER_GRAPH_FIXED_LENGTH = 16

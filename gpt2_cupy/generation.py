@@ -44,8 +44,11 @@ def _stop_at(text: str, stop: Sequence[str]) -> int | None:
     return min(hits) if hits else None
 
 
-def _text_steps(model, tok, prompts, max_new_tokens, stop, eos_token_id, **kwargs) -> Iterator[list[str]]:
-    """For each decoding step, the new text of each prompt ('' when nothing new).
+def _text_steps(model, tok, prompts, max_new_tokens, stop, eos_token_id, reads_all: bool = False,
+                **kwargs) -> Iterator[list[str]]:
+    """For each decoding step, the new text of each prompt ('' when nothing new). ``reads_all``:
+    the caller reads every item (generate), so that without an end-of-text token or a stop
+    string no step can end the call early (the engine's fixed-length graphs).
 
     Inputs are checked now, before the iterator is returned."""
     stop = [stop] if isinstance(stop, str) else list(stop or [])
@@ -53,7 +56,10 @@ def _text_steps(model, tok, prompts, max_new_tokens, stop, eos_token_id, **kwarg
         raise TypeError("stop must be a str or a list of str")
     ids = _encode(tok, prompts)
     eos = tok.eos_token_id if eos_token_id == "default" else eos_token_id
-    steps = model.stream(ids, max_new_tokens, eos_token_id=eos, **kwargs)
+    if reads_all and eos is None and not stop:
+        steps = model._stream(ids, max_new_tokens, eos_token_id=eos, fixed_length=True, **kwargs)
+    else:
+        steps = model.stream(ids, max_new_tokens, eos_token_id=eos, **kwargs)
     return _pieces(tok, steps, len(prompts), stop, eos)
 
 
@@ -121,8 +127,8 @@ def generate(prompt: str | Sequence[str], model: str | GPT2 = "gpt2", *, max_new
                                      kv_cache_dtype=kv_cache_dtype)
         return texts[0] if single else texts
     texts = list(prompts)
-    for pieces in _text_steps(net, tok, prompts, max_new_tokens, stop, eos_token_id, do_sample=do_sample,
-                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+    for pieces in _text_steps(net, tok, prompts, max_new_tokens, stop, eos_token_id, reads_all=True,
+                              do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                               use_cache=use_cache, cuda_graph=cuda_graph, kv_cache_dtype=kv_cache_dtype):
         texts = [t + p for t, p in zip(texts, pieces)]
     return texts[0] if single else texts

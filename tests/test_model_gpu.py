@@ -697,18 +697,36 @@ def test_bad_inputs_raise_and_model_stays_usable(small):
     assert model.generate(torch.tensor(PROMPT, device="cuda"), 8) == before
 
 
-def test_text_generate_and_stream(small):
+def test_text_generate_and_stream(small, monkeypatch):
+    """The text API: generate, stream and stop strings agree; generate without an end-of-text
+    token or a stop string runs the fixed-length calls' graphs (STEPS_PER_GRAPH_FIXED_LENGTH
+    steps a launch), stream and a call with a stop string the shorter ones."""
+    import gpt2_cupy.engine as E
+
     _, model = small
+    launches, real = [], E.Session.run_step
+
+    def spy(self, slot, n=1):
+        launches.append(n)
+        return real(self, slot, n)
+
+    monkeypatch.setattr(E.Session, "run_step", spy)
+    longest, short = E.STEPS_PER_GRAPH_FIXED_LENGTH, E.STEPS_PER_GRAPH
     prompt = "Hello, I'm a language model,"
     text = generate(prompt, model, max_new_tokens=20, eos_token_id=None)
     assert text.startswith(prompt) and len(text) > len(prompt)
+    assert longest in launches
+    launches.clear()
     pieces = list(stream(prompt, model, max_new_tokens=20, eos_token_id=None))
     assert prompt + "".join(pieces) == text
+    assert launches and max(launches) == short
     batch = generate([prompt, "The"], model, max_new_tokens=20, eos_token_id=None)
     assert batch[0] == text
+    launches.clear()
     stop = text[len(prompt) + 5: len(prompt) + 8]
     cut = generate(prompt, model, max_new_tokens=20, eos_token_id=None, stop=stop)
     assert stop not in cut[len(prompt):] and text.startswith(cut)
+    assert launches and max(launches) == short
     with pytest.raises(ValueError, match="empty"):
         generate("", model)
     with pytest.raises(ValueError, match="positions"):
