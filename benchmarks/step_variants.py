@@ -19,7 +19,8 @@ variant's rounds is about 0.2%.
 A variant may also set ``layers=n`` (a bound, timing only: its tokens are wrong): its step is
 recorded with layer i reading layer (i mod n)'s weights, so that n layers' weights are all the
 step's blocks read; with n = 1 a layer's weights can stay in L2 from one layer to the next
-(14.2 MB for GPT-2 small in 16 bits, 25.2 MB for medium; the L2 holds 50 MB).
+(14.2 MB for GPT-2 small in 16 bits, 25.2 MB for medium; the H100's L2 holds 50 MB, the
+H200's 60 MiB).
 
 A variant is ``name`` or ``name:CONST=value[;CONST=value...]``: constants (Python literals)
 in effect while its step is recorded, restored after: CONST of gpt2_cupy.model, or
@@ -62,9 +63,10 @@ def _owner(key: str):
     return (mod, attr) if hasattr(mod, attr) else (None, attr)
 
 
-def parse_variant(text: str) -> tuple[str, dict]:
+def parse_variant(text: str, layers: bool = False) -> tuple[str, dict]:
     """``name[:CONST=value;...]`` -> (name, {key: value}), each key CONST (gpt2_cupy.model)
-    or module.CONST (a module of gpt2_cupy or cupy_kernels) and each value a Python literal."""
+    or module.CONST (a module of gpt2_cupy or cupy_kernels) and each value a Python literal;
+    with ``layers``, also ``layers=n`` (a count of at least 1)."""
     name, _, sets = text.partition(":")
     if not name:
         raise ValueError(f"variant {text!r} has no name")
@@ -72,7 +74,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
     for item in filter(None, (s.strip() for s in sets.split(";"))):
         key, eq, value = item.partition("=")
         key = key.strip()
-        if key == "layers":
+        if layers and key == "layers":
             if not value.strip().isdigit() or int(value) < 1:
                 raise ValueError(f"variant {name!r}: layers={value.strip()!r} is not a count of at least 1")
             settings[key] = int(value)
@@ -190,10 +192,11 @@ def run_case(size: str, dtype: str, batch: int, variants: list[tuple[str, dict]]
     return rows
 
 
-def parse_command_line(doc: str, name: str, case_help: str, case_of, options=None) -> tuple:
+def parse_command_line(doc: str, name: str, case_help: str, case_of, options=None, layers: bool = False) -> tuple:
     """(cases, variants, results name, all parsed arguments) of a variants benchmark's command
     line: cases parsed by ``case_of``, then ``--variant`` (repeated; the first is the
-    reference) and ``--name``; ``options(parser)`` adds the benchmark's own arguments."""
+    reference; ``layers=n`` accepted where ``layers``) and ``--name``; ``options(parser)`` adds
+    the benchmark's own arguments."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     if options is not None:
         options(p)
@@ -205,7 +208,7 @@ def parse_command_line(doc: str, name: str, case_help: str, case_of, options=Non
     args = p.parse_args()
     try:
         cases = [case_of(c) for c in args.cases]
-        variants = [parse_variant(v) for v in args.variant]
+        variants = [parse_variant(v, layers) for v in args.variant]
     except ValueError as err:
         p.error(str(err))
     if len({n for n, _ in variants}) != len(variants):
@@ -215,7 +218,7 @@ def parse_command_line(doc: str, name: str, case_help: str, case_of, options=Non
 
 def main():
     cases, variants, name, _ = parse_command_line(__doc__, "step_variants", "size:dtype:batch, e.g. gpt2:float16:1",
-                                               parse_case)
+                                               parse_case, layers=True)
     print(banner(), flush=True)
     rows = []
     for size, dtype, batch in cases:
