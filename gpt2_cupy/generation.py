@@ -56,7 +56,7 @@ def _text_steps(model, tok, prompts, max_new_tokens, stop, eos_token_id, reads_a
         raise TypeError("stop must be a str or a list of str")
     ids = _encode(tok, prompts)
     eos = tok.eos_token_id if eos_token_id == "default" else eos_token_id
-    if reads_all and eos is None and not stop:
+    if reads_all and not stop:  # (the engine takes its fixed-length graphs only without an end-of-text token)
         steps = model._stream(ids, max_new_tokens, eos_token_id=eos, fixed_length=True, **kwargs)
     else:
         steps = model.stream(ids, max_new_tokens, eos_token_id=eos, **kwargs)
